@@ -1,0 +1,34 @@
+# kvpush: set-up, tests and the demo. Everything a fresh machine needs is installed here.
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+TORCH_VERSION := 2.13.0
+NIXL_VERSION := 1.5.1
+
+.PHONY: install test lint demo clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	# torch first: a CPU build from local disk, so that nothing pulls CUDA wheels.
+	$(BIN)/pip install --quiet torch==$(TORCH_VERSION)
+	# nixl lean install (DESIGN.md section 4): no CUDA torch, no NVIDIA wheels.
+	$(BIN)/pip install --quiet --no-deps nixl==$(NIXL_VERSION) nixl-cu12==$(NIXL_VERSION)
+	$(BIN)/pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+lint: install
+	$(BIN)/ruff check kvpush tests benchmarks
+	$(BIN)/mypy kvpush
+
+test: install lint
+	$(BIN)/python -m pytest -q tests
+
+demo: install
+	$(BIN)/kvpush demo
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

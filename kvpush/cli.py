@@ -1,0 +1,158 @@
+"""The `kvpush` command: serve | proxy | up | bench | demo | make-model.
+
+Defaults come from the config dataclasses; this module only maps flags onto them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import fields
+
+from kvpush.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    Role,
+    SchedulerConfig,
+    ServerConfig,
+    torch_threads_default,
+)
+from kvpush.errors import KVPushError
+
+PRESETS = ("tiny", "small", "bench")
+
+
+def _default(cls, name: str):
+    return next(f.default for f in fields(cls) if f.name == name)
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--dtype", default=_default(ModelConfig, "dtype"), choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--device", default=_default(ModelConfig, "device"))
+    g.add_argument("--max-model-len", type=int, default=_default(ModelConfig, "max_model_len"))
+    g.add_argument("--block-size", type=int, default=_default(CacheConfig, "block_size"))
+    g.add_argument("--num-blocks", type=int, default=_default(CacheConfig, "num_blocks"))
+    g.add_argument("--kv-cache-memory-mb", type=int, default=_default(CacheConfig, "kv_cache_memory_mb"))
+    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--max-num-seqs", type=int, default=_default(SchedulerConfig, "max_num_seqs"))
+    g.add_argument("--max-num-batched-tokens", type=int, default=_default(SchedulerConfig, "max_num_batched_tokens"))
+    g.add_argument("--no-chunked-prefill", action="store_true")
+    g.add_argument("--torch-threads", type=int, default=torch_threads_default())
+    g.add_argument("--seed", type=int, default=_default(EngineConfig, "seed"))
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    _positive(args, "block_size", "max_num_seqs", "max_num_batched_tokens", "torch_threads", "kv_cache_memory_mb")
+    if args.num_blocks is not None and args.num_blocks < 1:
+        raise SystemExit("kvpush: --num-blocks must be at least 1")
+    return EngineConfig(
+        model=ModelConfig(args.model, args.dtype, args.device, args.max_model_len),
+        cache=CacheConfig(args.block_size, args.num_blocks, args.kv_cache_memory_mb, not args.no_prefix_caching),
+        scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, not args.no_chunked_prefill),
+        torch_threads=args.torch_threads,
+        seed=args.seed,
+    )
+
+
+def _positive(args: argparse.Namespace, *names: str) -> None:
+    for name in names:
+        if getattr(args, name) < 1:
+            raise SystemExit(f"kvpush: --{name.replace('_', '-')} must be at least 1")
+
+
+def add_server_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default=_default(ServerConfig, "host"))
+    g.add_argument("--port", type=int, default=_default(ServerConfig, "port"))
+    g.add_argument("--role", default=_default(ServerConfig, "role").value, choices=[r.value for r in Role])
+    g.add_argument("--api-key", default=None)
+    g.add_argument("--served-model-name", default=None)
+    g.add_argument("--max-waiting", type=int, default=_default(ServerConfig, "max_waiting"))
+
+
+def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
+    return ServerConfig(host=args.host, port=args.port, role=Role(args.role), api_key=args.api_key,
+                        served_model_name=args.served_model_name, max_waiting=args.max_waiting)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from kvpush.server.serve import run_serve
+
+    if Role(args.role) is not Role.COLOCATED:
+        raise SystemExit(f"kvpush: --role {args.role} needs the KV transfer layer, which is not built yet")
+    run_serve(engine_config_from_args(args), server_config_from_args(args))
+    return 0
+
+
+def cmd_make_model(args: argparse.Namespace) -> int:
+    from kvpush.models.make_model import make_model
+
+    path = make_model(args.out, preset=args.preset, seed=args.seed, dtype=args.dtype)
+    print(f"kvpush: wrote {args.preset} model to {path}")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from kvpush.demo import run_demo
+
+    return run_demo(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvpush", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    p.add_argument("model", help="checkpoint directory (Hugging Face format)")
+    add_engine_arguments(p)
+    add_server_arguments(p)
+    p.set_defaults(func=cmd_serve)
+    p = sub.add_parser("make-model", help="write a random-weight Qwen3 checkpoint")
+    p.add_argument("out")
+    p.add_argument("--preset", choices=PRESETS, default="tiny")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    p.set_defaults(func=cmd_make_model)
+    p = sub.add_parser("demo", help="the README's main job")
+    p.add_argument("--model-dir", default=None, help="where the demo model lives (created if missing)")
+    p.add_argument("--port", type=int, default=0)
+    p.set_defaults(func=cmd_demo)
+    _add_bench(sub)
+    return parser
+
+
+def _add_bench(sub) -> None:
+    try:
+        from kvpush.bench import cli as bench_cli
+    except ImportError:
+        return
+    p = sub.add_parser("bench", help="load-test an OpenAI-compatible server")
+    bench_cli.add_bench_arguments(p)
+    p.set_defaults(func=bench_cli.run_bench)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:2] == ["bench", "compare"]:
+        return _compare(argv[2:])
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except KVPushError as e:
+        print(f"kvpush: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def _compare(argv: list[str]) -> int:
+    from kvpush.bench import cli as bench_cli
+
+    p = argparse.ArgumentParser(prog="kvpush bench compare")
+    bench_cli.add_compare_arguments(p)
+    return int(bench_cli.run_compare(p.parse_args(argv)) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""Configuration as frozen dataclasses.
+
+This is the only module that reads the environment. The CLI takes its defaults from these
+dataclasses, so a default changes in exactly one place.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class Role(str, Enum):
+    COLOCATED = "colocated"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+class KVMode(str, Enum):
+    PULL = "pull"
+    PUSH = "push"
+
+
+class FirstToken(str, Enum):
+    RECOMPUTE = "recompute"
+    FROM_PREFILL = "from-prefill"
+
+
+class OnKVFailure(str, Enum):
+    RECOMPUTE = "recompute"
+    ERROR = "error"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    device: str = "cpu"
+    max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    num_blocks: int | None = None  # None: derived from kv_cache_memory_mb
+    kv_cache_memory_mb: int = 256
+    enable_prefix_caching: bool = True
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    torch_threads: int = 1
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    role: Role = Role.COLOCATED
+    api_key: str | None = None
+    served_model_name: str | None = None
+    max_waiting: int = 256
+    request_timeout_s: float = 600.0
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    kv_mode: KVMode = KVMode.PUSH
+    kv_port: int = 0  # 0: pick a free port
+    kv_host: str = "127.0.0.1"
+    kv_secret: str | None = None
+    first_token: FirstToken = FirstToken.RECOMPUTE
+    kv_lease_s: float = 30.0
+    kv_timeout_s: float = 30.0
+    on_kv_failure: OnKVFailure = OnKVFailure.ERROR
+
+
+def env_str(name: str, default: str | None = None) -> str | None:
+    return os.environ.get(name, default)
+
+
+def ucx_environment() -> dict[str, str]:
+    """UCX settings for processes that create NIXL agents (DESIGN.md section 4).
+
+    Values already set in the environment win, so a deployment can choose its transports.
+    """
+    defaults = {
+        "UCX_TLS": "tcp,sm,cma,self",
+        "UCX_WARN_UNUSED_ENV_VARS": "n",
+        "UCX_LOG_LEVEL": "error",
+    }
+    return {k: os.environ.get(k, v) for k, v in defaults.items()}
+
+
+def default_model_dir() -> str:
+    return os.environ.get("KVPUSH_MODEL_DIR", os.path.join(os.getcwd(), "models"))
+
+
+def torch_threads_default() -> int:
+    value = os.environ.get("KVPUSH_TORCH_THREADS")
+    return int(value) if value else 1

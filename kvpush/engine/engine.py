@@ -1,0 +1,172 @@
+"""The engine: admission checks, one scheduling + model step at a time, outputs.
+
+    add_request -> WAITING -> (scheduled, computed, sampled each step) -> FINISHED_*
+    abort_request at any time -> FINISHED_ABORTED, blocks freed at once.
+
+Single-threaded: the owner (the offline LLM or the engine-core process) calls every method from
+one thread. A KV connector (prefill/decode roles) hooks admission and step boundaries.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+
+import msgspec
+import torch
+
+from kvpush.config import EngineConfig
+from kvpush.engine.block_manager import BlockManager
+from kvpush.engine.model_runner import ModelRunner
+from kvpush.engine.request import Request, RequestStatus, TokenLogprob
+from kvpush.engine.sampling_params import SamplingParams
+from kvpush.engine.scheduler import Scheduler
+from kvpush.errors import InvalidRequestError
+from kvpush.kv_cache import KVCache, KVLayout
+from kvpush.models.loader import load_model
+
+
+@dataclass
+class EngineOutput:
+    """What one step produced for one request: new tokens, and whether it finished."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        torch.set_num_threads(config.torch_threads)
+        self.device = torch.device(config.model.device)
+        self.model, self.arch, self.dtype = load_model(config.model.model, config.model.dtype, config.model.device)
+        self.max_model_len = min(config.model.max_model_len or self.arch.max_position_embeddings,
+                                 self.arch.max_position_embeddings)
+        self.layout = self._layout()
+        self.cache = KVCache(self.layout, self.device)
+        self.block_manager = BlockManager(self.layout.num_blocks, self.layout.block_size,
+                                          config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
+        self.runner = ModelRunner(self.model, self.cache, self.device, config.seed)
+        self.eos_token_ids = set(self.arch.eos_token_ids) | _generation_eos(config.model.model)
+        self.finished: list[EngineOutput] = []
+        self.step_count = 0
+
+    def _layout(self) -> KVLayout:
+        cache_cfg, arch = self.config.cache, self.arch
+        layout = KVLayout(1, arch.num_layers, cache_cfg.block_size, arch.num_kv_heads, arch.head_dim, self.dtype)
+        num_blocks = cache_cfg.num_blocks or KVLayout.blocks_for_memory(
+            cache_cfg.kv_cache_memory_mb << 20, layout.block_bytes)
+        return KVLayout(num_blocks, arch.num_layers, cache_cfg.block_size, arch.num_kv_heads, arch.head_dim, self.dtype)
+
+    # ---- admission -----------------------------------------------------------------------
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise InvalidRequestError if the request can never run on this engine."""
+        check_prompt(prompt_token_ids, self.max_model_len, self.arch.vocab_size,
+                     self.layout.num_blocks, self.layout.block_size)
+
+    def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
+        self.validate(prompt_token_ids, params)
+        if request_id in self.scheduler.requests:
+            raise InvalidRequestError(f"duplicate request id {request_id!r}")
+        stop_ids = list(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids += sorted(self.eos_token_ids - set(stop_ids))
+        params = msgspec.structs.replace(params, stop_token_ids=stop_ids)
+        request = Request(request_id, list(prompt_token_ids), params)
+        if params.seed is not None:
+            request.generator = torch.Generator(device="cpu").manual_seed(params.seed)
+        return request
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
+        request = self.make_request(request_id, prompt_token_ids, params)
+        request.trace["admitted"] = time.time()
+        self.scheduler.add(request)
+        return request
+
+    def abort_request(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED,
+                      error: str | None = None) -> bool:
+        """Finish a request early and free its blocks. False if it is unknown or already finished."""
+        request = self.scheduler.requests.get(request_id)
+        if request is None:
+            return False
+        request.error = error
+        self.scheduler.finish(request, status)
+        self.finished.append(self._output(request, []))
+        return True
+
+    # ---- stepping ------------------------------------------------------------------------
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished() > 0 or bool(self.finished)
+
+    def step(self) -> list[EngineOutput]:
+        """Schedule, run the model once, sample. Returns outputs of requests that progressed or ended."""
+        out = self.scheduler.schedule(self.admission_hook())
+        outputs, self.finished = self.finished, []
+        if out.empty:
+            return outputs
+        sampled = self.runner.execute(out.scheduled)
+        self.step_count += 1
+        for request in self.scheduler.update(out, sampled):
+            self.on_token(request)
+            n_lp = 1 if request.sampling_params.logprobs is not None else 0
+            outputs.append(self._output(request, request.output_token_ids[-1:], request.output_logprobs[-n_lp:]
+                                        if n_lp else []))
+        return outputs
+
+    def admission_hook(self):
+        """Connectors override: decides per waiting request whether it may be admitted now."""
+        return None
+
+    def on_token(self, request: Request) -> None:
+        """Connectors override: called after a request got a token (it may have finished)."""
+        if request.num_output_tokens == 1:
+            request.trace["first_token"] = time.time()
+
+    def _output(self, request: Request, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> EngineOutput:
+        return EngineOutput(
+            request_id=request.request_id,
+            new_token_ids=list(tokens),
+            new_logprobs=list(logprobs or []),
+            finish_reason=request.status.finish_reason,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=request.num_cached_tokens,
+            error=request.error,
+        )
+
+
+def _generation_eos(model_dir: str) -> set[int]:
+    path = os.path.join(model_dir, "generation_config.json")
+    if not os.path.isfile(path):
+        return set()
+    try:
+        with open(path) as f:
+            eos = json.load(f).get("eos_token_id")
+    except (OSError, json.JSONDecodeError):
+        return set()
+    return set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+
+
+def check_prompt(prompt_token_ids: list[int], max_model_len: int, vocab_size: int, num_blocks: int,
+                 block_size: int) -> None:
+    """Raise InvalidRequestError for an empty prompt, one that cannot fit, or an unknown token id."""
+    n = len(prompt_token_ids)
+    if n == 0:
+        raise InvalidRequestError("prompt is empty", param="prompt")
+    if n >= max_model_len:
+        raise InvalidRequestError(
+            f"prompt has {n} tokens; this model's maximum context length is {max_model_len} "
+            f"tokens including at least 1 generated token", param="prompt")
+    if -(-(n + 1) // block_size) > num_blocks:
+        raise InvalidRequestError(
+            f"prompt has {n} tokens but the KV cache holds only {num_blocks * block_size}", param="prompt")
+    bad = next((t for t in prompt_token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidRequestError(f"token id {bad} is outside the vocabulary [0, {vocab_size})", param="prompt")

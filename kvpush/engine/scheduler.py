@@ -1,0 +1,178 @@
+"""Continuous batching with a per-step token budget, chunked prefill and preemption by recompute.
+
+Each step the scheduler decides how many new tokens of each request to compute
+(`num_scheduled_tokens`): running requests first (a decode step is one token, an unfinished prefill
+continues in chunks), then waiting requests in arrival order while budget, sequence slots and
+blocks last. When a running request cannot get a block, the most recently arrived running request
+is preempted: its blocks are freed and it is recomputed later from scratch.
+
+No I/O and no tensor work: this module is plain Python.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from kvpush.config import SchedulerConfig
+from kvpush.engine.block_manager import BlockManager
+from kvpush.engine.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)  # (request, num_new_tokens)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+    @property
+    def empty(self) -> bool:
+        return not self.scheduled
+
+
+# Called for a waiting request before it is admitted; returns False to keep it waiting.
+AdmissionHook = Callable[[Request], bool]
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        # Requests whose KV is being received (decode role); they hold blocks but are not run.
+        self.remote: dict[str, Request] = {}
+        self.requests: dict[str, Request] = {}
+
+    # ---- queue management ----------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running) + len(self.remote)
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """Move a request to a finished status and free its blocks. Idempotent."""
+        if request.is_finished:
+            return
+        request.status = status
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.remote.pop(request.request_id, None)
+        self.block_manager.free(request)
+        self.requests.pop(request.request_id, None)
+
+    def park_remote(self, request: Request) -> None:
+        """Hold an admitted request (with its blocks) until its KV arrives from a peer."""
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self.remote[request.request_id] = request
+
+    def resume_remote(self, request: Request) -> None:
+        """KV arrived: the request joins the front of the waiting queue to be run."""
+        self.remote.pop(request.request_id, None)
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+
+    # ---- scheduling ----------------------------------------------------------------------
+    def schedule(self, admit: AdmissionHook | None = None) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        budget = self._schedule_running(out, budget)
+        if not out.preempted:
+            self._schedule_waiting(out, budget, admit)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.block_manager.allocate(request, num_new):
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                if victim is request:
+                    break
+            else:
+                out.scheduled.append((request, num_new))
+                budget -= num_new
+                i += 1
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int, admit: AdmissionHook | None) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            if admit is not None and not admit(request):
+                break
+            if request.status is RequestStatus.WAITING_FOR_REMOTE_KV:
+                self.waiting.popleft()  # the admission hook parked it
+                continue
+            cached = self._cached_prefix(request)
+            num_new = request.num_tokens - request.num_computed_tokens - len(cached) * self.block_manager.block_size
+            if not self.config.enable_chunked_prefill and num_new > budget:
+                break
+            num_new = min(num_new, budget)
+            if not self.block_manager.allocate(request, num_new, cached):
+                break
+            self.waiting.popleft()
+            if cached:
+                request.num_computed_tokens = len(cached) * self.block_manager.block_size
+                request.num_cached_tokens = max(request.num_cached_tokens, request.num_computed_tokens)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled.append((request, num_new))
+            budget -= num_new
+
+    def _cached_prefix(self, request: Request) -> list[int]:
+        if request.block_table:  # received or partially computed KV already in place
+            return []
+        return self.block_manager.find_cached_prefix(request)
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self.running.remove(request)
+        self.block_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+        out.preempted.append(request)
+
+    # ---- after the model ran -------------------------------------------------------------
+    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance computed tokens, append sampled tokens and finish requests that stop.
+
+        `sampled` maps request id to the token sampled at its last scheduled position; requests
+        whose prefill is still partial have none. Returns the requests that got a new token.
+        """
+        progressed: list[Request] = []
+        for request, num_new in out.scheduled:
+            request.num_computed_tokens += num_new
+            self.block_manager.cache_full_blocks(request)
+            token = sampled.get(request.request_id)
+            if token is None:
+                continue
+            request.output_token_ids.append(token)
+            progressed.append(request)
+            status = self.check_stop(request)
+            if status is not None:
+                self.finish(request, status)
+        return progressed
+
+    def check_stop(self, request: Request) -> RequestStatus | None:
+        params = request.sampling_params
+        token = request.output_token_ids[-1]
+        if request.num_output_tokens >= params.min_tokens and token in params.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def all_requests(self) -> Iterable[Request]:
+        return list(self.requests.values())

@@ -1,0 +1,86 @@
+"""The instance's paged KV cache: one contiguous block-major buffer (DESIGN.md section 2).
+
+    kv[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
+
+`kv[b]` (one block, all layers) and `kv[b, l]` (one block, one layer, K and V) are contiguous, so a
+transfer layer can address them by byte offset from `base_ptr`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    num_blocks: int
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.num_blocks, self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def element_size(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def layer_bytes(self) -> int:
+        """Bytes of kv[b, l]: K and V of one layer of one block."""
+        return 2 * self.block_size * self.num_kv_heads * self.head_dim * self.element_size
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of kv[b]: one block across all layers."""
+        return self.num_layers * self.layer_bytes
+
+    @staticmethod
+    def blocks_for_memory(memory_bytes: int, per_block_bytes: int) -> int:
+        return max(memory_bytes // per_block_bytes, 1)
+
+
+class KVCache:
+    def __init__(self, layout: KVLayout, device: torch.device | str = "cpu") -> None:
+        self.layout = layout
+        self.kv = torch.zeros(layout.shape, dtype=layout.dtype, device=device)  # [N, L, 2, bs, kvh, hd]
+
+    @property
+    def base_ptr(self) -> int:
+        return self.kv.data_ptr()
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()
+
+    def block_offset(self, block_id: int) -> int:
+        return block_id * self.layout.block_bytes
+
+    def block_layer_offset(self, block_id: int, layer: int) -> int:
+        return block_id * self.layout.block_bytes + layer * self.layout.layer_bytes
+
+    def write(self, layer: int, block_ids: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store new keys and values. block_ids, offsets: [T]; k, v: [T, kvh, hd]."""
+        self.kv[block_ids, layer, 0, offsets] = k
+        self.kv[block_ids, layer, 1, offsets] = v
+
+    def gather(self, layer: int, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of one sequence. block_table: [nb] -> k, v: [nb * bs, kvh, hd]."""
+        blocks = self.kv[block_table, layer]  # [nb, 2, bs, kvh, hd]
+        n = blocks.shape[0] * self.layout.block_size
+        shape = (n, self.layout.num_kv_heads, self.layout.head_dim)
+        return blocks[:, 0].reshape(shape), blocks[:, 1].reshape(shape)
+
+    def gather_batch(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Padded K and V of a batch. block_tables: [B, nb] -> k, v: [B, kvh, nb * bs, hd]."""
+        blocks = self.kv[block_tables, layer]  # [B, nb, 2, bs, kvh, hd]
+        b, nb = block_tables.shape
+        shape = (b, nb * self.layout.block_size, self.layout.num_kv_heads, self.layout.head_dim)
+        k = blocks[:, :, 0].reshape(shape).transpose(1, 2)
+        v = blocks[:, :, 1].reshape(shape).transpose(1, 2)
+        return k, v

@@ -1,0 +1,115 @@
+"""Start and stop kvpush processes (servers, proxies) as children, with no orphans left behind.
+
+Used by `kvpush up`, the demo, benchmarks and tests. A ServerProcess runs `python -m kvpush.cli ...`
+in its own process group, so that stopping it also stops the engine-core process it spawned.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, argv: list[str], host: str = "127.0.0.1", env: dict[str, str] | None = None,
+                 log_path: str | None = None) -> None:
+        self.argv = argv
+        self.host = host
+        self.port = int(argv[argv.index("--port") + 1])
+        self.env = {**os.environ, **(env or {})}
+        self.log_path = log_path
+        self.proc: subprocess.Popen | None = None
+        self._log = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self) -> ServerProcess:
+        out = subprocess.DEVNULL
+        if self.log_path:
+            self._log = open(self.log_path, "ab")
+            out = self._log
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvpush.cli", *self.argv], env=self.env,
+                                     stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        return self
+
+    def wait_healthy(self, timeout_s: float = 120.0) -> None:
+        """Block until GET /health answers 200; raise RuntimeError if the process dies or time runs out."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server {self.argv} exited with {self.proc.returncode}; log: {self.log_path}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"server {self.argv} not healthy after {timeout_s} s; log: {self.log_path}")
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        """SIGTERM the process group, then SIGKILL what is left. Idempotent."""
+        if self.proc is None:
+            return
+        pgid = self.proc.pid
+        _signal_group(pgid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            pass
+        _signal_group(pgid, signal.SIGKILL)  # stragglers (the engine core) go too
+        try:
+            self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            pass
+        if self._log is not None:
+            self._log.close()
+        self.proc = None
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group at once (fault tests)."""
+        if self.proc is not None:
+            _signal_group(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+            self.proc = None
+
+    def __enter__(self) -> ServerProcess:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def stream_completion(self, model: str, prompt: str, max_tokens: int = 16) -> Iterator[str]:
+        body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
+                           "temperature": 0}).encode()
+        req = urllib.request.Request(self.url + "/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            for raw in r:
+                line = raw.decode().strip()
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    yield json.loads(line[6:])["choices"][0]["text"]
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass

@@ -1,0 +1,59 @@
+"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds, logprobs."""
+
+from __future__ import annotations
+
+import torch
+
+from kvpush.engine.request import Request, TokenLogprob
+
+
+def sample(logits: torch.Tensor, requests: list[Request], fallback: torch.Generator) -> list[int]:
+    """logits: [S, vocab] fp32, one row per request. Appends logprobs where asked. Returns token ids."""
+    suppress_stop_tokens(logits, requests)
+    tokens: list[int] = []
+    for row, request in zip(logits, requests, strict=True):
+        params = request.sampling_params
+        if params.greedy:
+            token = int(torch.argmax(row))
+        else:
+            token = _sample_row(row, params.temperature, params.top_k, params.top_p, request.generator or fallback)
+        tokens.append(token)
+        if params.logprobs is not None:
+            request.output_logprobs.append(_logprobs(row, token, params.logprobs))
+    return tokens
+
+
+def suppress_stop_tokens(logits: torch.Tensor, requests: list[Request]) -> None:
+    """Before min_tokens outputs, stop tokens cannot be sampled."""
+    for i, request in enumerate(requests):
+        params = request.sampling_params
+        if request.num_output_tokens < params.min_tokens and params.stop_token_ids:
+            logits[i, params.stop_token_ids] = float("-inf")
+
+
+def _sample_row(row: torch.Tensor, temperature: float, top_k: int, top_p: float, gen: torch.Generator) -> int:
+    scaled = row / temperature  # [vocab]
+    if 0 < top_k < scaled.numel():
+        kth = torch.topk(scaled, top_k).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    if top_p < 1.0:
+        scaled = _top_p(scaled, top_p)
+    probs = torch.softmax(scaled, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=gen))
+
+
+def _top_p(scaled: torch.Tensor, top_p: float) -> torch.Tensor:
+    sorted_logits, order = torch.sort(scaled, descending=True)
+    cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
+    drop = cum - torch.softmax(sorted_logits, dim=-1) >= top_p  # keep the smallest set reaching top_p
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(scaled).scatter_(0, order, sorted_logits)
+
+
+def _logprobs(row: torch.Tensor, token: int, k: int) -> TokenLogprob:
+    logp = torch.log_softmax(row, dim=-1)
+    top: list[tuple[int, float]] = []
+    if k > 0:
+        values, ids = torch.topk(logp, k)
+        top = [(int(i), float(v)) for i, v in zip(ids, values, strict=True)]
+    return TokenLogprob(token_id=token, logprob=float(logp[token]), top=top)

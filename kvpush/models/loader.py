@@ -1,0 +1,120 @@
+"""Load a Hugging Face checkpoint directory (config.json + safetensors) into a CausalLM."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from safetensors import safe_open
+
+from kvpush.errors import ModelLoadError
+from kvpush.models.arch import ArchConfig, load_arch_config
+from kvpush.models.decoder import CausalLM
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# HF projection name -> (fused parameter name, shard index)
+_FUSED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+def resolve_dtype(name: str, cfg: ArchConfig) -> torch.dtype:
+    key = cfg.torch_dtype if name == "auto" else name
+    key = {"float": "float32", "half": "float16", "fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(key, key)
+    if key not in DTYPES:
+        raise ModelLoadError(f"unsupported dtype {key!r}; supported: {sorted(DTYPES)}")
+    return DTYPES[key]
+
+
+def safetensors_files(model_dir: str) -> list[str]:
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        files = [os.path.join(model_dir, n) for n in names]
+    else:
+        files = [os.path.join(model_dir, "model.safetensors")]
+    missing = [p for p in files if not os.path.isfile(p)]
+    if missing:
+        raise ModelLoadError(f"missing weight file(s): {missing}")
+    return files
+
+
+def load_model(model_dir: str, dtype: str = "auto", device: str = "cpu", max_positions: int | None = None):
+    """Build the model for the checkpoint and load its weights. Returns (model, arch config, dtype)."""
+    cfg = load_arch_config(model_dir)
+    torch_dtype = resolve_dtype(dtype, cfg)
+    with torch.device(device):
+        model = CausalLM(cfg, max_positions or cfg.max_position_embeddings)
+    _load_weights(model, cfg, safetensors_files(model_dir))
+    return model.to(dtype=torch_dtype).eval(), cfg, torch_dtype
+
+
+def _load_weights(model: CausalLM, cfg: ArchConfig, files: list[str]) -> None:
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                target = _place(params, cfg, name, f.get_tensor(name))
+                if target:
+                    loaded.add(target)
+    expected = {key for n in params for key in _expected_keys(n, cfg)}
+    missing = expected - loaded
+    if missing:
+        raise ModelLoadError(f"checkpoint lacks weights: {sorted(missing)[:8]}")
+
+
+def _place(params: dict, cfg: ArchConfig, name: str, tensor: torch.Tensor) -> str | None:
+    """Copy one checkpoint tensor into its (possibly fused) parameter; returns the parameter name."""
+    if name == "lm_head.weight" and cfg.tie_word_embeddings:
+        return None
+    if "rotary_emb" in name:
+        return None
+    parts = name.rsplit(".", 2)  # [prefix, proj, weight|bias]
+    if len(parts) == 3 and parts[1] in _FUSED:
+        fused, shard = _FUSED[parts[1]]
+        target = f"{parts[0]}.{fused}.{parts[2]}"
+        _copy_shard(params, target, shard, parts[1], tensor, cfg)
+        return f"{target}#{shard}"
+    if name not in params:
+        raise ModelLoadError(f"unexpected tensor {name!r} in checkpoint")
+    _check_shape(name, params[name], tensor)
+    with torch.no_grad():
+        params[name].copy_(tensor)
+    return name
+
+
+def _copy_shard(params: dict, target: str, shard: int, proj: str, tensor: torch.Tensor, cfg: ArchConfig) -> None:
+    if target not in params:
+        raise ModelLoadError(f"unexpected tensor for {target!r} in checkpoint")
+    if proj in ("q_proj", "k_proj", "v_proj"):
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        sizes = [q, kv, kv]
+    else:
+        sizes = [cfg.intermediate_size] * 2
+    start = sum(sizes[:shard])
+    dst = params[target].data.narrow(0, start, sizes[shard])
+    _check_shape(f"{target}[{proj}]", dst, tensor)
+    with torch.no_grad():
+        dst.copy_(tensor)
+
+
+def _expected_keys(name: str, cfg: ArchConfig) -> list[str]:
+    if cfg.tie_word_embeddings and name == "lm_head.weight":
+        return []
+    if ".qkv_proj." in name:
+        return [f"{name}#{i}" for i in range(3)]
+    if ".gate_up_proj." in name:
+        return [f"{name}#{i}" for i in range(2)]
+    return [name]
+
+
+def _check_shape(name: str, dst: torch.Tensor, src: torch.Tensor) -> None:
+    if tuple(dst.shape) != tuple(src.shape):
+        raise ModelLoadError(f"tensor {name!r} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")

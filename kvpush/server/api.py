@@ -1,0 +1,245 @@
+"""The OpenAI-compatible HTTP front end of one instance (aiohttp).
+
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
+GET /metrics. Every error is OpenAI's error JSON; bad input is a 4xx and never stops the server.
+The handler of a client that disconnects is cancelled, which aborts its engine requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import itertools
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from aiohttp import web
+
+from kvpush.config import ServerConfig
+from kvpush.engine.engine import check_prompt
+from kvpush.engine.sampling_params import SamplingParams
+from kvpush.errors import InvalidRequestError
+from kvpush.server import responses as R
+from kvpush.server.engine_client import EngineClient
+from kvpush.server.generation import EngineRequestError, GenEvent, GenState, Generator
+from kvpush.server.metrics import ServerMetrics
+from kvpush.server.openai_protocol import ChatCompletionRequest, CompletionRequest, parse_body
+from kvpush.tokenizer import Tokenizer
+
+OPEN_PATHS = {"/health", "/metrics"}
+
+
+class OpenAIServer:
+    def __init__(self, config: ServerConfig, engine: EngineClient, tokenizer: Tokenizer, model_path: str) -> None:
+        self.config = config
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.model_name = config.served_model_name or model_path
+        self.accepted_names = {self.model_name, model_path}
+        self.metrics = ServerMetrics()
+        self.generator = Generator(engine, tokenizer, self.metrics)
+        self._ids = itertools.count()
+        self.created = int(time.time())
+
+    def build_app(self) -> web.Application:
+        app = web.Application(middlewares=[self.error_middleware, self.auth_middleware],
+                              client_max_size=8 << 20)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics_endpoint)
+        return app
+
+    # ---- middlewares ---------------------------------------------------------------------
+    @web.middleware
+    async def error_middleware(self, request: web.Request, handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except InvalidRequestError as e:
+            return self._error(400, str(e), e.param)
+        except EngineRequestError as e:
+            return self._error(e.status, str(e))
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            return self._error(e.status, e.reason or "error")
+
+    @web.middleware
+    async def auth_middleware(self, request: web.Request, handler) -> web.StreamResponse:
+        key = self.config.api_key
+        if key and request.path not in OPEN_PATHS:
+            given = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+                return self._error(401, "invalid or missing API key")
+        return await handler(request)
+
+    def _error(self, status: int, message: str, param: str | None = None) -> web.Response:
+        self.metrics.http_errors.labels(status=str(status)).inc()
+        return R.error_response(status, message, param)
+
+    # ---- simple routes -------------------------------------------------------------------
+    async def health(self, request: web.Request) -> web.Response:
+        if not self.engine.healthy:
+            return self._error(503, "engine is not running")
+        return web.Response(text="ok")
+
+    async def models(self, request: web.Request) -> web.Response:
+        info = self.engine.info
+        return R.json_response({"object": "list", "data": [{
+            "id": self.model_name, "object": "model", "created": self.created, "owned_by": "kvpush",
+            "max_model_len": info.max_model_len if info else None}]})
+
+    async def metrics_endpoint(self, request: web.Request) -> web.Response:
+        self.metrics.update_engine(self.engine.stats, self.engine.num_in_flight)
+        return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
+
+    # ---- admission -----------------------------------------------------------------------
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.accepted_names:
+            raise web.HTTPNotFound(reason=f"model {model!r} does not exist; this server serves {self.model_name!r}")
+
+    def _admit(self, n: int) -> None:
+        if not self.engine.healthy:
+            raise EngineRequestError("engine is not running", 503)
+        waiting = self.engine.num_in_flight - self.engine.stats.num_running
+        if waiting + n > self.config.max_waiting:
+            raise EngineRequestError(f"server busy: {waiting} requests waiting (--max-waiting "
+                                     f"{self.config.max_waiting})", 503)
+
+    def _check_prompt(self, ids: list[int], params: SamplingParams, explicit_max: bool) -> SamplingParams:
+        info = self.engine.info
+        assert info is not None
+        check_prompt(ids, info.max_model_len, info.vocab_size, info.num_blocks, info.block_size)
+        room = info.max_model_len - len(ids)
+        if explicit_max and params.max_tokens > room:
+            raise InvalidRequestError(
+                f"this model's maximum context length is {info.max_model_len} tokens; the prompt has "
+                f"{len(ids)} tokens and max_tokens is {params.max_tokens}", param="max_tokens")
+        return params
+
+    def _new_id(self, prefix: str) -> str:
+        return f"{prefix}-{uuid.uuid4().hex[:16]}{next(self._ids)}"
+
+    # ---- completions ---------------------------------------------------------------------
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = parse_body(await request.read(), CompletionRequest)
+        self._check_model(body.model)
+        prompts = body.prompts()
+        params = body.sampling_params(16, body.logprobs)
+        ids = [p if isinstance(p, list) else self.tokenizer.encode(p) for p in prompts]
+        for p in ids:
+            self._check_prompt(p, params, body.max_tokens is not None)
+        self._admit(len(ids))
+        rid = self._new_id("cmpl")
+        states = [GenState(f"{rid}-{i}", p) for i, p in enumerate(ids)]
+        want_lp = body.logprobs is not None
+        if not body.stream:
+            await asyncio.gather(*(self.generator.run(s, params, body.kv_transfer_params) for s in states))
+            return R.json_response(R.completion(rid, self.model_name, states, self.tokenizer, want_lp))
+        stream = LazyStream(request)
+        try:
+            async for i, ev in self._merge(states, params, body.kv_transfer_params):
+                await stream.write(R.completion_chunk(rid, self.model_name, i, ev, states[i], self.tokenizer,
+                                                      want_lp))
+        except EngineRequestError as e:
+            return await stream.fail(e)
+        return await self._end_stream(stream, rid, "text_completion", states, body.include_usage)
+
+    async def _merge(self, states: list[GenState], params: SamplingParams,
+                     kv: dict | None) -> AsyncIterator[tuple[int, GenEvent]]:
+        if len(states) == 1:
+            async for ev in self.generator.stream(states[0], params, kv):
+                yield 0, ev
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int) -> None:
+            try:
+                async for ev in self.generator.stream(states[i], params, kv):
+                    await queue.put((i, ev))
+            except EngineRequestError as e:
+                await queue.put((i, e))
+            await queue.put((i, None))
+
+        tasks = [asyncio.create_task(pump(i)) for i in range(len(states))]
+        try:
+            for _ in range(len(states)):
+                while (item := await queue.get())[1] is not None:
+                    if isinstance(item[1], EngineRequestError):
+                        raise item[1]
+                    yield item
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    async def _end_stream(self, stream: LazyStream, rid: str, obj: str, states: list[GenState],
+                          include_usage: bool) -> web.StreamResponse:
+        if include_usage:
+            await stream.write(R.usage_chunk(rid, self.model_name, obj, states))
+        return await stream.close()
+
+    # ---- chat ----------------------------------------------------------------------------
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        body = parse_body(await request.read(), ChatCompletionRequest)
+        self._check_model(body.model)
+        text = self.tokenizer.apply_chat_template(body.message_dicts(), add_generation_prompt=body.add_generation_prompt)
+        ids = self.tokenizer.encode(text)
+        info = self.engine.info
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        default = max(1, (info.max_model_len if info else 1) - len(ids))
+        body.max_tokens = max_tokens
+        params = self._check_prompt(ids, body.sampling_params(default, body.chat_logprobs()), max_tokens is not None)
+        self._admit(1)
+        rid = self._new_id("chatcmpl")
+        state = GenState(rid, ids)
+        want_lp = body.logprobs
+        if not body.stream:
+            await self.generator.run(state, params, body.kv_transfer_params)
+            return R.json_response(R.chat_completion(rid, self.model_name, state, self.tokenizer, want_lp))
+        stream = LazyStream(request, R.chat_chunk(rid, self.model_name, {"role": "assistant", "content": ""}))
+        try:
+            async for ev in self.generator.stream(state, params, body.kv_transfer_params):
+                lp = R.chat_logprobs(self.tokenizer, ev.logprobs) if want_lp else None
+                delta = {"content": ev.text} if ev.text or ev.finish_reason is None else {}
+                await stream.write(R.chat_chunk(rid, self.model_name, delta, ev.finish_reason, lp, state))
+        except EngineRequestError as e:
+            return await stream.fail(e)
+        return await self._end_stream(stream, rid, "chat.completion.chunk", [state], body.include_usage)
+
+
+class LazyStream:
+    """An SSE response whose headers go out with the first event, so that a request failing before
+    its first token still gets a plain HTTP error status (which a proxy can act on)."""
+
+    def __init__(self, request: web.Request, first_event: dict | None = None) -> None:
+        self.request = request
+        self.first_event = first_event
+        self.resp: web.StreamResponse | None = None
+
+    async def _start(self) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(self.request)
+        if self.first_event is not None:
+            await resp.write(R.sse(self.first_event))
+        self.resp = resp
+        return resp
+
+    async def write(self, event: dict) -> None:
+        resp = self.resp or await self._start()
+        await resp.write(R.sse(event))
+
+    async def fail(self, error: EngineRequestError) -> web.StreamResponse:
+        if self.resp is None:
+            raise error  # nothing sent yet: the error middleware answers with its status
+        await self.resp.write(R.sse(R.error_body(error.status, str(error))))
+        await self.resp.write(R.SSE_DONE)
+        await self.resp.write_eof()
+        return self.resp
+
+    async def close(self) -> web.StreamResponse:
+        resp = self.resp or await self._start()
+        await resp.write(R.SSE_DONE)
+        await resp.write_eof()
+        return resp

@@ -1,0 +1,148 @@
+"""The API process's handle on the engine-core process.
+
+Per request: add() -> a queue of RequestDelta, ended by a delta with finish_reason set ->
+the request is forgotten. abort() tells the core; its final delta still arrives and is dropped.
+If the core dies, every open queue gets an error delta and `healthy` turns False.
+
+Threads: a reader thread blocks on the core's output pipe and hands each message to the event loop
+with call_soon_threadsafe; everything else runs on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing as mp
+import threading
+from multiprocessing.connection import Connection
+
+from kvpush.config import EngineConfig
+from kvpush.errors import ModelLoadError
+from kvpush.server import messages as m
+from kvpush.server.engine_core import run_engine_core
+
+log = logging.getLogger("kvpush.engine_client")
+
+
+class EngineClient:
+    def __init__(self, config: EngineConfig, start_timeout_s: float = 300.0) -> None:
+        self.config = config
+        self.start_timeout_s = start_timeout_s
+        self.queues: dict[str, asyncio.Queue[m.RequestDelta]] = {}
+        self.stats = m.EngineStats()
+        self.info: m.CoreReady | None = None
+        self.healthy = False
+        self._proc: mp.process.BaseProcess | None = None
+        self._to_core: Connection | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._ready: asyncio.Future[m.CoreReady] | None = None
+
+    # ---- lifecycle -----------------------------------------------------------------------
+    async def start(self, target=run_engine_core, extra_args: tuple = ()) -> m.CoreReady:
+        """Spawn the core and wait until it has loaded the model. Raises ModelLoadError."""
+        ctx = mp.get_context("spawn")
+        core_in, self._to_core = ctx.Pipe(duplex=False)
+        from_core, core_out = ctx.Pipe(duplex=False)
+        self._loop = asyncio.get_running_loop()
+        self._ready = self._loop.create_future()
+        self._proc = ctx.Process(target=target, args=(self.config, core_in, core_out, *extra_args),
+                                 name="kvpush-engine-core", daemon=True)
+        self._proc.start()
+        core_in.close()
+        core_out.close()
+        threading.Thread(target=self._read_loop, args=(from_core,), name="kvpush-core-reader", daemon=True).start()
+        try:
+            self.info = await asyncio.wait_for(self._ready, self.start_timeout_s)
+        except TimeoutError as e:
+            await self.shutdown()
+            raise ModelLoadError(f"engine core did not start within {self.start_timeout_s} s") from e
+        self.healthy = True
+        return self.info
+
+    async def shutdown(self, timeout_s: float = 10.0) -> None:
+        self.healthy = False
+        if self._to_core is not None:
+            try:
+                self._to_core.send_bytes(m.encode(m.Shutdown()))
+            except (BrokenPipeError, OSError):
+                pass
+        proc = self._proc
+        if proc is not None:
+            await asyncio.to_thread(proc.join, timeout_s)
+            if proc.is_alive():
+                proc.kill()
+                await asyncio.to_thread(proc.join, 5)
+
+    # ---- requests ------------------------------------------------------------------------
+    def add(self, request: m.AddRequest) -> asyncio.Queue[m.RequestDelta]:
+        queue: asyncio.Queue[m.RequestDelta] = asyncio.Queue()
+        if not self.healthy:
+            queue.put_nowait(m.RequestDelta(request.request_id, [], finish_reason="error",
+                                            error="engine is not running"))
+            return queue
+        self.queues[request.request_id] = queue
+        self._send(request)
+        return queue
+
+    def abort(self, request_id: str) -> None:
+        if self.queues.pop(request_id, None) is not None:
+            self._send(m.AbortRequest(request_id))
+
+    def _send(self, msg: m.ToCore) -> None:
+        assert self._to_core is not None
+        try:
+            self._to_core.send_bytes(m.encode(msg))
+        except (BrokenPipeError, OSError):
+            self._core_died("engine core is gone")
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self.queues)
+
+    # ---- reader --------------------------------------------------------------------------
+    def _read_loop(self, conn: Connection) -> None:
+        assert self._loop is not None
+        while True:
+            try:
+                msg = m.from_core_decoder.decode(conn.recv_bytes())
+            except (EOFError, OSError):
+                self._post(self._core_died, "engine core exited")
+                return
+            self._post(self._dispatch, msg)
+
+    def _post(self, fn, arg) -> None:
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(fn, arg)
+        except RuntimeError:
+            pass  # the loop is closed: shutting down
+
+    def _dispatch(self, msg: m.FromCore) -> None:
+        if isinstance(msg, m.StepOutputs):
+            if msg.stats is not None:
+                self.stats = msg.stats
+            for delta in msg.deltas:
+                queue = self.queues.get(delta.request_id)
+                if queue is None:
+                    continue
+                queue.put_nowait(delta)
+                if delta.finish_reason is not None:
+                    del self.queues[delta.request_id]
+        elif isinstance(msg, m.CoreReady):
+            self._resolve_ready(msg)
+        elif isinstance(msg, m.CoreFailed):
+            self._core_died(msg.reason)
+
+    def _resolve_ready(self, msg: m.CoreReady) -> None:
+        if self._ready is not None and not self._ready.done():
+            self._ready.set_result(msg)
+
+    def _core_died(self, reason: str) -> None:
+        self.healthy = False
+        if self._ready is not None and not self._ready.done():
+            self._ready.set_exception(ModelLoadError(f"engine core failed to start: {reason}"))
+        for rid, queue in list(self.queues.items()):
+            queue.put_nowait(m.RequestDelta(rid, [], finish_reason="error", error=reason))
+        self.queues.clear()
+        if reason != "engine core exited":
+            log.error("engine core: %s", reason)

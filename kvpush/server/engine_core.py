@@ -1,0 +1,153 @@
+"""The engine-core process: owns the engine and runs its step loop; never does HTTP work.
+
+Lifecycle: STARTING (load model) -> READY (CoreReady sent) -> RUNNING (step loop)
+           -> STOPPED (Shutdown received, or the API process went away: EOF on the input pipe).
+A failure to start is reported as CoreFailed with the reason, then the process exits.
+
+The loop drains its input pipe without blocking while there is work, steps the engine, and sends
+one StepOutputs per step. With nothing to do it sleeps in `wait()` on the input pipe and on a
+wake-up pipe that other threads of this process (the KV transfer thread) write to.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from multiprocessing.connection import Connection, wait
+
+from kvpush.config import EngineConfig
+from kvpush.engine.engine import EngineOutput, LLMEngine
+from kvpush.errors import InvalidRequestError, KVPushError
+from kvpush.server import messages as m
+
+log = logging.getLogger("kvpush.engine_core")
+IDLE_WAIT_S = 1.0
+STATS_INTERVAL_S = 0.05
+
+
+class Waker:
+    """A self-pipe: any thread calls wake(); the step loop waits on `fd`."""
+
+    def __init__(self) -> None:
+        self.fd, self._w = os.pipe()
+        os.set_blocking(self.fd, False)
+        os.set_blocking(self._w, False)
+
+    def wake(self) -> None:
+        try:
+            os.write(self._w, b"x")
+        except BlockingIOError:
+            pass  # already signalled
+
+    def clear(self) -> None:
+        try:
+            while os.read(self.fd, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+
+class EngineCore:
+    def __init__(self, engine: LLMEngine, conn_in: Connection, conn_out: Connection, waker: Waker) -> None:
+        self.engine = engine
+        self.conn_in = conn_in
+        self.conn_out = conn_out
+        self.waker = waker
+        self.stopped = False
+        self.last_stats = 0.0
+
+    def run(self) -> None:
+        while not self.stopped:
+            busy = self.engine.has_unfinished()
+            self._drain(0.0 if busy else IDLE_WAIT_S)
+            if self.stopped:
+                break
+            outputs = self.engine.step() if self.engine.has_unfinished() else []
+            self._send(outputs)
+            if not outputs and self.engine.has_unfinished() and not self._runnable():
+                self._drain(0.05)  # only remote-KV requests: sleep until a wake-up or an input
+
+    def _runnable(self) -> bool:
+        s = self.engine.scheduler
+        return bool(s.waiting or s.running or self.engine.finished)
+
+    def _drain(self, timeout: float) -> None:
+        ready = wait([self.conn_in, self.waker.fd], timeout)
+        if self.waker.fd in ready:
+            self.waker.clear()
+        while self.conn_in.poll():
+            try:
+                msg = m.to_core_decoder.decode(self.conn_in.recv_bytes())
+            except EOFError:
+                self.stopped = True
+                return
+            self.handle(msg)
+
+    def handle(self, msg: m.ToCore) -> None:
+        if isinstance(msg, m.AddRequest):
+            self._add(msg)
+        elif isinstance(msg, m.AbortRequest):
+            self.engine.abort_request(msg.request_id)
+        elif isinstance(msg, m.Shutdown):
+            self.stopped = True
+
+    def _add(self, msg: m.AddRequest) -> None:
+        try:
+            self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.sampling_params)
+        except InvalidRequestError as e:
+            delta = m.RequestDelta(msg.request_id, [], finish_reason="error", error=str(e), error_status=400)
+            self.conn_out.send_bytes(m.encode(m.StepOutputs([delta])))
+
+    def _send(self, outputs: list[EngineOutput]) -> None:
+        now = time.monotonic()
+        stats = None
+        if outputs or now - self.last_stats > STATS_INTERVAL_S:
+            stats, self.last_stats = self.stats(), now
+        if outputs or stats is not None:
+            deltas = [to_delta(o) for o in outputs]
+            self.conn_out.send_bytes(m.encode(m.StepOutputs(deltas, stats)))
+
+    def stats(self) -> m.EngineStats:
+        s, bm = self.engine.scheduler, self.engine.block_manager
+        return m.EngineStats(
+            num_running=len(s.running),
+            num_waiting=len(s.waiting),
+            num_waiting_for_kv=len(s.remote),
+            num_free_blocks=bm.num_free_blocks,
+            num_total_blocks=bm.num_blocks,
+            num_preemptions=sum(r.num_preemptions for r in s.requests.values()),
+            prefix_cache_queries=bm.num_queries,
+            prefix_cache_hits=bm.num_hits,
+            steps=self.engine.step_count,
+        )
+
+
+def to_delta(o: EngineOutput) -> m.RequestDelta:
+    return m.RequestDelta(
+        request_id=o.request_id,
+        new_token_ids=o.new_token_ids,
+        logprobs=[m.LogprobEntry(lp.token_id, lp.logprob, lp.top) for lp in o.new_logprobs],
+        finish_reason=o.finish_reason,
+        num_prompt_tokens=o.num_prompt_tokens,
+        num_cached_tokens=o.num_cached_tokens,
+        error=o.error,
+    )
+
+
+def run_engine_core(config: EngineConfig, conn_in: Connection, conn_out: Connection) -> None:
+    """Entry point of the spawned engine-core process."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        engine = LLMEngine(config)
+    except (KVPushError, OSError) as e:
+        conn_out.send_bytes(m.encode(m.CoreFailed(f"{type(e).__name__}: {e}")))
+        return
+    ready = m.CoreReady(engine.max_model_len, engine.arch.vocab_size, engine.layout.num_blocks,
+                        engine.layout.block_size)
+    conn_out.send_bytes(m.encode(ready))
+    core = EngineCore(engine, conn_in, conn_out, Waker())
+    try:
+        core.run()
+    except (BrokenPipeError, EOFError):
+        pass  # the API process is gone

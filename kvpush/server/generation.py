@@ -1,0 +1,106 @@
+"""One engine request as seen by the API process: token deltas in, text events out.
+
+    submitted -> streaming events (text deltas) -> finished (stop | length | abort) or failed
+A stop string found by the detokenizer finishes the request here and aborts it in the engine.
+A caller that stops iterating (client gone) aborts the engine request in `finally`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from kvpush.engine.sampling_params import SamplingParams
+from kvpush.errors import KVPushError
+from kvpush.server import messages as m
+from kvpush.server.engine_client import EngineClient
+from kvpush.server.metrics import ServerMetrics
+from kvpush.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+class EngineRequestError(KVPushError):
+    """The engine failed a request; `status` is the HTTP status to answer with."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class GenEvent:
+    text: str
+    token_ids: list[int]
+    logprobs: list[m.LogprobEntry]
+    finish_reason: str | None = None
+
+
+@dataclass
+class GenState:
+    """Accumulated result of one request (one choice)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[m.LogprobEntry] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_cached_tokens: int = 0
+    kv_transfer_params: dict | None = None
+    trace: dict[str, float] | None = None
+
+
+class Generator:
+    def __init__(self, engine: EngineClient, tokenizer: Tokenizer, metrics: ServerMetrics) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+
+    async def stream(self, state: GenState, params: SamplingParams,
+                     kv_transfer_params: dict | None = None) -> AsyncIterator[GenEvent]:
+        """Yield text events until the request finishes. Raises EngineRequestError on failure."""
+        queue = self.engine.add(m.AddRequest(state.request_id, state.prompt_token_ids, params, kv_transfer_params))
+        detok = IncrementalDetokenizer(self.tokenizer, list(params.stop))
+        start, first = time.monotonic(), None
+        try:
+            while state.finish_reason is None:
+                delta = await queue.get()
+                if delta.finish_reason == "error":
+                    state.finish_reason = "error"
+                    raise EngineRequestError(delta.error or "request failed", delta.error_status)
+                if first is None and delta.new_token_ids:
+                    first = time.monotonic()
+                yield self._apply(state, delta, detok)
+        finally:
+            if state.finish_reason is None:
+                self.engine.abort(state.request_id)
+                state.finish_reason = "abort"
+            self._observe(state, start, first)
+
+    def _apply(self, state: GenState, delta: m.RequestDelta, detok: IncrementalDetokenizer) -> GenEvent:
+        state.token_ids += delta.new_token_ids
+        state.logprobs += delta.logprobs
+        state.num_cached_tokens = delta.num_cached_tokens
+        state.kv_transfer_params = delta.kv_transfer_params or state.kv_transfer_params
+        state.trace = delta.trace or state.trace
+        text, stopped = detok.update(delta.new_token_ids)
+        if stopped:
+            self.engine.abort(state.request_id)
+            state.finish_reason = "stop"
+        elif delta.finish_reason is not None:
+            text += detok.flush()
+            state.finish_reason = delta.finish_reason
+        state.text += text
+        return GenEvent(text, delta.new_token_ids, delta.logprobs, state.finish_reason)
+
+    def _observe(self, state: GenState, start: float, first: float | None) -> None:
+        now = time.monotonic()
+        self.metrics.prompt_tokens.inc(len(state.prompt_token_ids))
+        self.metrics.generation_tokens.inc(len(state.token_ids))
+        ttft = None if first is None else first - start
+        self.metrics.observe_request(ttft, now - start, len(state.token_ids), state.finish_reason or "abort")
+
+    async def run(self, state: GenState, params: SamplingParams, kv_transfer_params: dict | None = None) -> GenState:
+        async for _ in self.stream(state, params, kv_transfer_params):
+            pass
+        return state

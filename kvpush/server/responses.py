@@ -1,0 +1,122 @@
+"""OpenAI response bodies: completions, chat completions, stream chunks, usage, errors, logprobs."""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+from aiohttp import web
+
+from kvpush.server.generation import GenEvent, GenState
+from kvpush.server.messages import LogprobEntry
+from kvpush.tokenizer import Tokenizer
+
+_json = msgspec.json.Encoder()
+
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+               405: "invalid_request_error", 413: "invalid_request_error", 503: "service_unavailable",
+               502: "upstream_error", 500: "server_error"}
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "server_error"),
+                      "param": param, "code": code or status}}
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> web.Response:
+    return json_response(error_body(status, message, param, code), status=status)
+
+
+def json_response(body: object, status: int = 200) -> web.Response:
+    return web.Response(body=_json.encode(body), status=status, content_type="application/json")
+
+
+def sse(body: object) -> bytes:
+    return b"data: " + _json.encode(body) + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def usage(states: list[GenState]) -> dict:
+    prompt = sum(len(s.prompt_token_ids) for s in states)
+    completion = sum(len(s.token_ids) for s in states)
+    cached = sum(s.num_cached_tokens for s in states)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def extras(state: GenState) -> dict:
+    """kvpush fields a response carries for the proxy and the benchmark."""
+    out: dict = {}
+    if state.kv_transfer_params is not None:
+        out["kv_transfer_params"] = state.kv_transfer_params
+    if state.trace:
+        out["kvpush_trace"] = state.trace
+    return out
+
+
+# ---- completions ---------------------------------------------------------------------------
+def completion_logprobs(tok: Tokenizer, entries: list[LogprobEntry], offset: int = 0) -> dict:
+    tokens = [tok.decode([e.token_id], skip_special_tokens=False) for e in entries]
+    offsets, pos = [], offset
+    for t in tokens:
+        offsets.append(pos)
+        pos += len(t)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [{tok.decode([i], skip_special_tokens=False): lp for i, lp in e.top} for e in entries],
+        "text_offset": offsets,
+    }
+
+
+def completion(rid: str, model: str, states: list[GenState], tok: Tokenizer, want_logprobs: bool) -> dict:
+    choices = [{"index": i, "text": s.text, "finish_reason": s.finish_reason,
+                "logprobs": completion_logprobs(tok, s.logprobs) if want_logprobs else None, **extras(s)}
+               for i, s in enumerate(states)]
+    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": choices, "usage": usage(states)}
+
+
+def completion_chunk(rid: str, model: str, index: int, ev: GenEvent, state: GenState, tok: Tokenizer,
+                     want_logprobs: bool) -> dict:
+    choice = {"index": index, "text": ev.text, "finish_reason": ev.finish_reason,
+              "logprobs": completion_logprobs(tok, ev.logprobs, len(state.text) - len(ev.text))
+              if want_logprobs else None}
+    if ev.finish_reason is not None:
+        choice.update(extras(state))
+    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": [choice], "usage": None}
+
+
+def usage_chunk(rid: str, model: str, obj: str, states: list[GenState]) -> dict:
+    return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [],
+            "usage": usage(states)}
+
+
+# ---- chat ----------------------------------------------------------------------------------
+def chat_logprobs(tok: Tokenizer, entries: list[LogprobEntry]) -> dict:
+    def item(token_id: int, lp: float) -> dict:
+        text = tok.decode([token_id], skip_special_tokens=False)
+        return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+
+    return {"content": [{**item(e.token_id, e.logprob), "top_logprobs": [item(i, lp) for i, lp in e.top]}
+                        for e in entries]}
+
+
+def chat_completion(rid: str, model: str, state: GenState, tok: Tokenizer, want_logprobs: bool) -> dict:
+    choice = {"index": 0, "message": {"role": "assistant", "content": state.text},
+              "logprobs": chat_logprobs(tok, state.logprobs) if want_logprobs else None,
+              "finish_reason": state.finish_reason, **extras(state)}
+    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": [choice], "usage": usage([state])}
+
+
+def chat_chunk(rid: str, model: str, delta: dict, finish_reason: str | None = None,
+               logprobs: dict | None = None, state: GenState | None = None) -> dict:
+    choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+    if finish_reason is not None and state is not None:
+        choice.update(extras(state))
+    return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
+            "choices": [choice], "usage": None}
