@@ -8,26 +8,26 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 
 
-class Role(str, Enum):
+class Role(StrEnum):
     COLOCATED = "colocated"
     PREFILL = "prefill"
     DECODE = "decode"
 
 
-class KVMode(str, Enum):
+class KVMode(StrEnum):
     PULL = "pull"
     PUSH = "push"
 
 
-class FirstToken(str, Enum):
+class FirstToken(StrEnum):
     RECOMPUTE = "recompute"
     FROM_PREFILL = "from-prefill"
 
 
-class OnKVFailure(str, Enum):
+class OnKVFailure(StrEnum):
     RECOMPUTE = "recompute"
     ERROR = "error"
 

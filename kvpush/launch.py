@@ -16,6 +16,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from typing import IO
 
 
 def free_port() -> int:
@@ -33,16 +34,16 @@ class ServerProcess:
         self.env = {**os.environ, **(env or {})}
         self.log_path = log_path
         self.proc: subprocess.Popen | None = None
-        self._log = None
+        self._log: IO[bytes] | None = None
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
     def start(self) -> ServerProcess:
-        out = subprocess.DEVNULL
+        out: int | IO[bytes] = subprocess.DEVNULL
         if self.log_path:
-            self._log = open(self.log_path, "ab")
+            self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
             out = self._log
         self.proc = subprocess.Popen([sys.executable, "-m", "kvpush.cli", *self.argv], env=self.env,
                                      stdout=out, stderr=subprocess.STDOUT, start_new_session=True)

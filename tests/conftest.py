@@ -35,3 +35,45 @@ def llama_model(tmp_path_factory) -> str:
     path = str(tmp_path_factory.mktemp("models") / "llama")
     model.save_pretrained(path)
     return path
+
+
+@pytest.fixture
+def server_factory(tmp_path):
+    """Start `kvpush serve` processes on free loopback ports; all are stopped after the test."""
+    from kvpush.launch import ServerProcess, free_port
+
+    started: list[ServerProcess] = []
+
+    def start(model: str, *args: str, timeout_s: float = 120.0) -> ServerProcess:
+        port = free_port()
+        log = str(tmp_path / f"server-{port}.log")
+        proc = ServerProcess(["serve", model, "--port", str(port), "--torch-threads", "1", *args], log_path=log)
+        started.append(proc)
+        proc.start()
+        proc.wait_healthy(timeout_s)
+        return proc
+
+    yield start
+    for proc in started:
+        proc.stop()
+
+
+@pytest.fixture(scope="module")
+def module_server(request, tmp_path_factory):
+    """One colocated server on the tiny model for a whole test module (started lazily)."""
+    from kvpush.launch import ServerProcess, free_port
+    from kvpush.models.make_model import make_model
+
+    model = make_model(str(tmp_path_factory.mktemp("srvmodel") / "tiny"), preset="tiny", seed=0)
+    port = free_port()
+    log = str(tmp_path_factory.mktemp("logs") / "server.log")
+    extra = getattr(request.module, "SERVER_ARGS", [])
+    proc = ServerProcess(["serve", model, "--port", str(port), "--torch-threads", "1",
+                          "--served-model-name", "tiny", *extra], log_path=log)
+    proc.start()
+    try:
+        proc.wait_healthy(120)
+        proc.model_path = model  # type: ignore[attr-defined]
+        yield proc
+    finally:
+        proc.stop()

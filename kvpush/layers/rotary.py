@@ -38,6 +38,9 @@ def _llama3(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
+    cos: torch.Tensor  # [P, hd]
+    sin: torch.Tensor  # [P, hd]
+
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None) -> None:
         super().__init__()
         inv_freq = inv_frequencies(head_dim, theta, scaling)

@@ -22,7 +22,7 @@ from kvpush.engine.sampling_params import SamplingParams
 from kvpush.errors import InvalidRequestError
 from kvpush.server import responses as R
 from kvpush.server.engine_client import EngineClient
-from kvpush.server.generation import EngineRequestError, GenEvent, GenState, Generator
+from kvpush.server.generation import EngineRequestError, Generator, GenEvent, GenState
 from kvpush.server.metrics import ServerMetrics
 from kvpush.server.openai_protocol import ChatCompletionRequest, CompletionRequest, parse_body
 from kvpush.tokenizer import Tokenizer

@@ -1,0 +1,271 @@
+"""Compare benchmark runs: a Markdown table per request rate and PNG plots.
+
+Runs are grouped by ``(config.request_rate, config.mode)``. Repeats of one group (same mode and
+rate, e.g. alternating push/pull runs) are combined by taking the median of each metric over the
+repeats; the ``runs`` column says how many there were. Ratios are ``push / pull`` of those values:
+below 1 push is better for latencies, above 1 push is better for throughputs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from kvpush.bench.metrics import TRACE_EVENTS
+
+MODE_ORDER = ("push", "pull", "colocated")
+COLUMNS = (
+    ("TTFT p50 (ms)", "median_ttft_ms"),
+    ("TTFT p99 (ms)", "p99_ttft_ms"),
+    ("TPOT p50 (ms)", "median_tpot_ms"),
+    ("TPOT p99 (ms)", "p99_tpot_ms"),
+    ("req/s", "request_throughput"),
+    ("out tok/s", "output_throughput"),
+)
+Run = dict[str, Any]
+Group = tuple[float, str]
+
+
+def parse_rate(value: Any) -> float:
+    """A request rate from JSON: a number, ``"inf"`` or null (= inf)."""
+    if value is None:
+        return math.inf
+    return float(value)
+
+
+def fmt_rate(rate: float) -> str:
+    """``inf`` or the rate in ``%g`` form."""
+    return "inf" if math.isinf(rate) else f"{rate:g}"
+
+
+def _fmt(value: float | None, digits: int = 2) -> str:
+    """A table cell: ``-`` for missing values."""
+    return "-" if value is None or math.isnan(value) else f"{value:.{digits}f}"
+
+
+def load_run(path: str | Path) -> Run:
+    """Load one run JSON written by ``kvpush bench``; raise ValueError if it is not one."""
+    try:
+        run = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"cannot read run file {path}: {exc}") from exc
+    if not isinstance(run, dict) or not isinstance(run.get("config"), dict) or not isinstance(
+        run.get("metrics"), dict
+    ):
+        raise ValueError(f"{path}: not a kvpush bench run (needs 'config' and 'metrics')")
+    try:
+        run["config"]["request_rate"] = parse_rate(run["config"].get("request_rate"))
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{path}: bad config.request_rate: {exc}") from exc
+    run["config"].setdefault("mode", "other")
+    return run
+
+
+def _mode_key(mode: str) -> tuple[int, str]:
+    """Sort key: push, pull, colocated first, then the rest by name."""
+    return (MODE_ORDER.index(mode) if mode in MODE_ORDER else len(MODE_ORDER), mode)
+
+
+def group_runs(results: Sequence[Run]) -> dict[Group, list[Run]]:
+    """Runs keyed by ``(rate, mode)``, in rate order then mode order."""
+    groups: dict[Group, list[Run]] = {}
+    for run in results:
+        cfg = run["config"]
+        key = (parse_rate(cfg.get("request_rate")), str(cfg.get("mode", "other")))
+        groups.setdefault(key, []).append(run)
+    return dict(sorted(groups.items(), key=lambda kv: (kv[0][0], _mode_key(kv[0][1]))))
+
+
+def median_metric(runs: Sequence[Run], key: str) -> float | None:
+    """Median over repeats of one metric; None if no run has it."""
+    values = [float(v) for v in (r["metrics"].get(key) for r in runs) if isinstance(v, int | float)]
+    return statistics.median(values) if values else None
+
+
+def ratio(num: float | None, den: float | None) -> float | None:
+    """``num / den``, or None if either is missing or ``den`` is 0."""
+    if num is None or den is None or den == 0:
+        return None
+    return num / den
+
+
+def _row(mode: str, runs: Sequence[Run]) -> str:
+    """One Markdown table row for a mode at one rate."""
+    done = sum(int(r["metrics"].get("completed", 0)) for r in runs)
+    failed = sum(int(r["metrics"].get("failed", 0)) for r in runs)
+    sat = sum(bool(r["metrics"].get("saturated")) for r in runs)
+    cells = [_fmt(median_metric(runs, key)) for _, key in COLUMNS]
+    sat_cell = "no" if sat == 0 else f"yes ({sat}/{len(runs)})"
+    return f"| {mode} | {len(runs)} | {done}/{failed} | " + " | ".join(cells) + f" | {sat_cell} |"
+
+
+def _ratio_row(by_mode: dict[str, list[Run]]) -> str | None:
+    """The push/pull ratio row, if both modes ran at this rate."""
+    if "push" not in by_mode or "pull" not in by_mode:
+        return None
+    cells = [
+        _fmt(ratio(median_metric(by_mode["push"], key), median_metric(by_mode["pull"], key)), 3)
+        for _, key in COLUMNS
+    ]
+    return "| **push/pull** | | | " + " | ".join(cells) + " | |"
+
+
+def _by_rate(results: Sequence[Run]) -> dict[float, dict[str, list[Run]]]:
+    """``{rate: {mode: runs}}`` in display order."""
+    out: dict[float, dict[str, list[Run]]] = {}
+    for (rate, mode), runs in group_runs(results).items():
+        out.setdefault(rate, {})[mode] = runs
+    return out
+
+
+def format_table(results: Sequence[Run]) -> str:
+    """Markdown tables, one per request rate: latencies and throughput per mode, plus push/pull."""
+    header = "| mode | runs | ok/failed | " + " | ".join(name for name, _ in COLUMNS) + " | saturated |"
+    rule = "|" + "---|" * (len(COLUMNS) + 4)
+    sections = []
+    for rate, by_mode in _by_rate(results).items():
+        lines = [f"### request rate {fmt_rate(rate)} req/s", "", header, rule]
+        lines += [_row(mode, runs) for mode, runs in by_mode.items()]
+        ratio_line = _ratio_row(by_mode)
+        if ratio_line:
+            lines.append(ratio_line)
+        sections.append("\n".join(lines))
+    return "\n\n".join(sections) + "\n"
+
+
+def handover_medians(runs: Sequence[Run]) -> dict[str, float]:
+    """Segment name -> median over repeats of the per-run median (ms), in trace order."""
+    values: dict[str, list[float]] = {}
+    for run in runs:
+        for seg in run["metrics"].get("handover") or []:
+            if isinstance(seg, dict) and isinstance(seg.get("median_ms"), int | float):
+                values.setdefault(str(seg.get("name")), []).append(float(seg["median_ms"]))
+    order = {name: i for i, name in enumerate(TRACE_EVENTS)}
+
+    def key(name: str) -> tuple[int, int, str]:
+        a, _, b = name.partition("->")
+        return (order.get(a, len(order)), order.get(b, len(order)), name)
+
+    return {name: statistics.median(values[name]) for name in sorted(values, key=key)}
+
+
+def format_handover(results: Sequence[Run]) -> str:
+    """Markdown table of median handover segments (ms) per (rate, mode); empty if no traces."""
+    rows = [(rate, mode, handover_medians(runs)) for (rate, mode), runs in group_runs(results).items()]
+    rows = [row for row in rows if row[2]]
+    if not rows:
+        return ""
+    names = list(dict.fromkeys(name for _, _, segs in rows for name in segs))
+    lines = [
+        "| rate | mode | " + " | ".join(names) + " |",
+        "|" + "---|" * (len(names) + 2),
+    ]
+    for rate, mode, segs in rows:
+        lines.append(f"| {fmt_rate(rate)} | {mode} | " + " | ".join(_fmt(segs.get(n)) for n in names) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _rate_axis(rates: Sequence[float]) -> tuple[list[int], list[str]]:
+    """Categorical x positions and labels for sorted rates (so ``inf`` gets a place too)."""
+    return list(range(len(rates))), [fmt_rate(r) for r in rates]
+
+
+def _plot_latency(results: Sequence[Run], metric: str, title: str, path: Path) -> Path:
+    """p50 and p99 of ``metric`` (ttft or tpot) vs request rate, one line per mode."""
+    from matplotlib.figure import Figure
+
+    by_rate = _by_rate(results)
+    rates = list(by_rate)
+    xs, labels = _rate_axis(rates)
+    modes = sorted({mode for by_mode in by_rate.values() for mode in by_mode}, key=_mode_key)
+    fig = Figure(figsize=(10, 4), layout="constrained")
+    for ax, stat, name in zip(fig.subplots(1, 2), ("median", "p99"), ("p50", "p99"), strict=True):
+        for mode in modes:
+            ys = [
+                median_metric(by_rate[r][mode], f"{stat}_{metric}_ms") if mode in by_rate[r] else None
+                for r in rates
+            ]
+            ax.plot(xs, [math.nan if y is None else y for y in ys], marker="o", label=mode)
+        ax.set_xticks(xs, labels)
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_ylabel(f"{title} {name} (ms)")
+        ax.set_title(f"{title} {name}")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.savefig(path, format="png", dpi=100)
+    return path
+
+
+def _plot_handover(results: Sequence[Run], path: Path) -> Path | None:
+    """Stacked bars of median handover segments per (mode, rate); None if no run has a trace.
+
+    Negative medians (overlapping events) are drawn as 0.
+    """
+    from matplotlib.figure import Figure
+
+    bars = [
+        (f"{mode}\n@{fmt_rate(rate)}", handover_medians(runs))
+        for (rate, mode), runs in sorted(group_runs(results).items(), key=lambda kv: (_mode_key(kv[0][1]), kv[0][0]))
+    ]
+    bars = [bar for bar in bars if bar[1]]
+    if not bars:
+        return None
+    names = list(dict.fromkeys(name for _, segs in bars for name in segs))
+    fig = Figure(figsize=(max(6.0, 1.2 * len(bars) + 4), 5), layout="constrained")
+    ax = fig.subplots()
+    bottoms = [0.0] * len(bars)
+    for name in names:
+        heights = [max(0.0, segs.get(name, 0.0)) for _, segs in bars]
+        ax.bar(range(len(bars)), heights, bottom=bottoms, label=name)
+        bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
+    ax.set_xticks(range(len(bars)), [label for label, _ in bars])
+    ax.set_ylabel("median segment duration (ms)")
+    clipped = any(v < 0 for _, segs in bars for v in segs.values())
+    ax.set_title("Handover breakdown" + (" (negative segments drawn as 0)" if clipped else ""))
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.savefig(path, format="png", dpi=100)
+    return path
+
+
+def plot_all(results: Sequence[Run], out_dir: Path) -> list[Path]:
+    """Write the TTFT, TPOT and (if any traces) handover PNGs; return their paths."""
+    paths = [
+        _plot_latency(results, "ttft", "TTFT", out_dir / "ttft_vs_rate.png"),
+        _plot_latency(results, "tpot", "TPOT", out_dir / "tpot_vs_rate.png"),
+    ]
+    handover = _plot_handover(results, out_dir / "handover_breakdown.png")
+    return paths + ([handover] if handover else [])
+
+
+def _markdown(results: Sequence[Run], png_names: Sequence[str]) -> str:
+    """The whole comparison document."""
+    parts = [
+        "# kvpush benchmark comparison",
+        "",
+        f"{len(results)} runs. Repeats of a mode at one rate are combined by the median of each metric.",
+        "Ratios are push/pull: below 1 push is better for latencies, above 1 for throughputs.",
+        "",
+        format_table(results),
+    ]
+    handover = format_handover(results)
+    if handover:
+        parts += ["## Handover breakdown (median ms per segment)", "", handover]
+    parts += [f"![{name}]({name})" for name in png_names]
+    return "\n".join(parts) + "\n"
+
+
+def compare(run_files: Sequence[str | Path], out_dir: str | Path) -> tuple[Path, list[Path]]:
+    """Write ``comparison.md`` and the PNG plots for ``run_files`` into ``out_dir``."""
+    if not run_files:
+        raise ValueError("no run files to compare")
+    results = [load_run(path) for path in run_files]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    pngs = plot_all(results, out)
+    md_path = out / "comparison.md"
+    md_path.write_text(_markdown(results, [p.name for p in pngs]), encoding="utf-8")
+    return md_path, pngs

@@ -1,0 +1,123 @@
+"""kvpush.bench.report: comparison tables with the right ratios, and valid PNG plots."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from kvpush.bench.cli import add_compare_arguments, run_compare
+from kvpush.bench.metrics import RequestRecord, compute_metrics
+from kvpush.bench.report import compare, format_table, load_run
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def _records(n: int, ttft: float, tpot: float, out: int = 5, trace: bool = False) -> list[RequestRecord]:
+    """n identical successful requests, one per second."""
+    recs = []
+    for i in range(n):
+        rec = RequestRecord(
+            index=i, prompt_len=10, output_len=out, scheduled_s=float(i), start_s=float(i), success=True,
+            status=200, ttft_s=ttft, itl_s=[tpot] * (out - 1), e2el_s=ttft + tpot * (out - 1),
+            output_tokens=out, prompt_tokens=10,
+        )
+        if trace:
+            rec.kvpush_trace = {"dispatched": 0.0, "p_prefill_done": ttft / 2, "first_token": ttft}
+        recs.append(rec)
+    return recs
+
+
+def _write(path: Path, mode: str, rate: float | str, ttft: float, tpot: float, duration: float) -> str:
+    recs = _records(4, ttft, tpot, trace=mode != "colocated")
+    metrics = compute_metrics(recs, duration, float(rate))
+    doc = {
+        "config": {"mode": mode, "request_rate": rate},
+        "metrics": msgspec.to_builtins(metrics),
+        "requests": msgspec.to_builtins(recs),
+    }
+    path.write_text(json.dumps(doc))
+    return str(path)
+
+
+@pytest.fixture
+def run_files(tmp_path: Path) -> list[str]:
+    return [
+        # rate 1: two push repeats (TTFT 100 and 120 ms -> median 110), one pull (200 ms)
+        _write(tmp_path / "push1a.json", "push", 1.0, ttft=0.100, tpot=0.020, duration=4.0),
+        _write(tmp_path / "push1b.json", "push", 1.0, ttft=0.120, tpot=0.020, duration=4.0),
+        _write(tmp_path / "pull1.json", "pull", 1.0, ttft=0.200, tpot=0.025, duration=8.0),
+        _write(tmp_path / "colo1.json", "colocated", 1.0, ttft=0.050, tpot=0.040, duration=4.0),
+        # rate inf: push only
+        _write(tmp_path / "pushinf.json", "push", "inf", ttft=0.300, tpot=0.030, duration=2.0),
+    ]
+
+
+def _section(table: str, rate: str) -> list[str]:
+    part = table.split(f"### request rate {rate} req/s")[1].split("###")[0]
+    return [line for line in part.splitlines() if line.startswith("|")]
+
+
+def _cells(line: str) -> list[str]:
+    return [c.strip() for c in line.strip().strip("|").split("|")]
+
+
+def test_format_table_ratios(run_files):
+    table = format_table([load_run(f) for f in run_files])
+    rows = _section(table, "1")
+    assert _cells(rows[0])[:4] == ["mode", "runs", "ok/failed", "TTFT p50 (ms)"]
+    modes = [_cells(r)[0] for r in rows[2:]]
+    assert modes == ["push", "pull", "colocated", "**push/pull**"]
+    push, pull, ratio = _cells(rows[2]), _cells(rows[3]), _cells(rows[5])
+    assert push[1:3] == ["2", "8/0"]
+    # TTFT p50, p99: push 110 (median of repeats), pull 200 -> 0.55
+    assert push[3:5] == ["110.00", "110.00"] and pull[3:5] == ["200.00", "200.00"]
+    assert ratio[3:5] == ["0.550", "0.550"]
+    # TPOT 20 vs 25 ms -> 0.8; throughput 1.0 vs 0.5 req/s -> 2.0; 5.0 vs 2.5 tok/s -> 2.0
+    assert ratio[5:7] == ["0.800", "0.800"]
+    assert ratio[7:9] == ["2.000", "2.000"]
+    inf_rows = _section(table, "inf")
+    assert [_cells(r)[0] for r in inf_rows[2:]] == ["push"]  # no pull at inf: no ratio row
+
+
+def test_compare_writes_markdown_and_pngs(run_files, tmp_path: Path):
+    md_path, pngs = compare(run_files, tmp_path / "out")
+    text = md_path.read_text()
+    assert "| **push/pull** |" in text and "0.550" in text
+    assert "## Handover breakdown" in text and "dispatched->p_prefill_done" in text
+    assert [p.name for p in pngs] == ["ttft_vs_rate.png", "tpot_vs_rate.png", "handover_breakdown.png"]
+    for png in pngs:
+        data = png.read_bytes()
+        assert data[:8] == PNG_SIGNATURE
+        assert len(data) > 10_000
+        assert f"]({png.name})" in text
+
+
+def test_compare_without_traces_has_no_handover_plot(tmp_path: Path):
+    files = [_write(tmp_path / "c.json", "colocated", 2.0, ttft=0.05, tpot=0.01, duration=2.0)]
+    _, pngs = compare(files, tmp_path / "out")
+    assert [p.name for p in pngs] == ["ttft_vs_rate.png", "tpot_vs_rate.png"]
+
+
+def test_load_run_rejects_other_json(tmp_path: Path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"hello": 1}')
+    with pytest.raises(ValueError, match="not a kvpush bench run"):
+        load_run(bad)
+    with pytest.raises(ValueError, match="cannot read"):
+        load_run(tmp_path / "missing.json")
+
+
+def test_run_compare_cli(run_files, tmp_path: Path, capsys):
+    parser = argparse.ArgumentParser(prog="kvpush bench compare")
+    add_compare_arguments(parser)
+    args = parser.parse_args([*run_files, "--out", str(tmp_path / "cli")])
+    assert run_compare(args) == 0
+    out = capsys.readouterr().out
+    assert "**push/pull**" in out and "comparison.md" in out
+    args = parser.parse_args([str(tmp_path / "missing.json"), "--out", str(tmp_path / "cli2")])
+    assert run_compare(args) == 1
+    assert "error: cannot read run file" in capsys.readouterr().err
