@@ -1,0 +1,108 @@
+"""Single-instance engine throughput vs Hugging Face transformers, one torch thread.
+
+    python benchmarks/engine_throughput.py [--model DIR] [--repeats 3]
+
+Prefill tokens/s for 512- and 2048-token prompts, decode tokens/s at batch 1 and 16, for the
+kvpush engine and for transformers (`forward` for prefill, `generate` for decode) on the same
+checkpoint (the bench preset, made if missing). Medians over repeats, measured side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+
+from kvpush.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from kvpush.engine.engine import LLMEngine
+from kvpush.engine.sampling_params import SamplingParams
+
+
+def ensure_model(path: str | None) -> str:
+    path = path or os.path.join("models", "bench")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        from kvpush.models.make_model import make_model
+
+        make_model(path, preset="bench", seed=0)
+    return path
+
+
+def prompt(n: int, seed: int, vocab: int) -> list[int]:
+    return torch.randint(10, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def kv_prefill(eng: LLMEngine, n: int, seed: int) -> float:
+    eng.add_request(f"p{seed}-{n}", prompt(n, seed, eng.arch.vocab_size), SamplingParams(max_tokens=1, temperature=0))
+    t = time.perf_counter()
+    while eng.has_unfinished():
+        eng.step()
+    return n / (time.perf_counter() - t)
+
+
+def kv_decode(eng: LLMEngine, batch: int, steps: int, seed: int) -> float:
+    params = SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True)
+    for i in range(batch):
+        eng.add_request(f"d{seed}-{batch}-{i}", prompt(64, seed * 100 + i, eng.arch.vocab_size), params)
+    eng.step()  # the prefill of the whole batch (not timed)
+    t = time.perf_counter()
+    while eng.has_unfinished():
+        eng.step()
+    return batch * steps / (time.perf_counter() - t)
+
+
+def hf_prefill(model, n: int, seed: int, vocab: int) -> float:
+    ids = torch.tensor([prompt(n, seed, vocab)])
+    t = time.perf_counter()
+    with torch.no_grad():
+        model(ids)
+    return n / (time.perf_counter() - t)
+
+
+def hf_decode(model, batch: int, steps: int, seed: int, vocab: int) -> float:
+    ids = torch.tensor([prompt(64, seed * 100 + i, vocab) for i in range(batch)])
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        model.generate(ids, max_new_tokens=1, do_sample=False, eos_token_id=None, pad_token_id=0)
+        t1 = time.perf_counter()
+        model.generate(ids, max_new_tokens=steps + 1, do_sample=False, eos_token_id=None, pad_token_id=0)
+        t2 = time.perf_counter()
+    return batch * steps / ((t2 - t1) - (t1 - t0))  # subtract the prefill
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--decode-steps", type=int, default=32)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    path = ensure_model(args.model)
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    eng = LLMEngine(EngineConfig(ModelConfig(path), CacheConfig(num_blocks=2048, enable_prefix_caching=False),
+                                 SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=4096)))
+    vocab = eng.arch.vocab_size
+    rows = []
+    for n in (512, 2048):
+        ours = [kv_prefill(eng, n, s) for s in range(args.repeats)]
+        theirs = [hf_prefill(hf, n, s, vocab) for s in range(args.repeats)]
+        rows.append((f"prefill {n} tokens", statistics.median(ours), statistics.median(theirs)))
+    for batch in (1, 16):
+        ours = [kv_decode(eng, batch, args.decode_steps, s) for s in range(args.repeats)]
+        theirs = [hf_decode(hf, batch, args.decode_steps, s, vocab) for s in range(args.repeats)]
+        rows.append((f"decode batch {batch}", statistics.median(ours), statistics.median(theirs)))
+    hf_b1 = rows[2][2]
+    print(f"\nmodel {path}, torch threads 1, medians of {args.repeats}\n")
+    print("| workload | kvpush tok/s | transformers tok/s | kvpush / transformers |")
+    print("|---|---|---|---|")
+    for name, ours_v, theirs_v in rows:
+        print(f"| {name} | {ours_v:,.0f} | {theirs_v:,.0f} | {ours_v / theirs_v:.2f} |")
+    print(f"\nkvpush decode batch 16 / transformers decode batch 1: {rows[3][1] / hf_b1:.1f}x (target >= 3x)")
+
+
+if __name__ == "__main__":
+    main()
