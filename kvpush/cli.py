@@ -12,10 +12,13 @@ from dataclasses import fields
 from kvpush.config import (
     CacheConfig,
     EngineConfig,
+    KVMode,
     ModelConfig,
+    OnKVFailure,
     Role,
     SchedulerConfig,
     ServerConfig,
+    TransferConfig,
     torch_threads_default,
 )
 from kvpush.errors import KVPushError
@@ -77,12 +80,31 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
                         served_model_name=args.served_model_name, max_waiting=args.max_waiting)
 
 
+def add_transfer_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("KV transfer (prefill and decode roles)")
+    g.add_argument("--kv-mode", default=_default(TransferConfig, "kv_mode").value, choices=[m.value for m in KVMode])
+    g.add_argument("--kv-host", default=_default(TransferConfig, "kv_host"),
+                   help="address of the KV side channel (handshakes); peers connect to it")
+    g.add_argument("--kv-port", type=int, default=_default(TransferConfig, "kv_port"), help="0: a free port")
+    g.add_argument("--kv-secret", default=None, help="shared secret authenticating handshakes (HMAC)")
+    g.add_argument("--kv-lease-s", type=float, default=_default(TransferConfig, "kv_lease_s"))
+    g.add_argument("--kv-timeout-s", type=float, default=_default(TransferConfig, "kv_timeout_s"))
+    g.add_argument("--on-kv-failure", default=_default(TransferConfig, "on_kv_failure").value,
+                   choices=[m.value for m in OnKVFailure])
+
+
+def transfer_config_from_args(args: argparse.Namespace) -> TransferConfig:
+    if args.kv_lease_s <= 0 or args.kv_timeout_s <= 0:
+        raise SystemExit("kvpush: --kv-lease-s and --kv-timeout-s must be positive")
+    return TransferConfig(kv_mode=KVMode(args.kv_mode), kv_port=args.kv_port, kv_host=args.kv_host,
+                          kv_secret=args.kv_secret, kv_lease_s=args.kv_lease_s, kv_timeout_s=args.kv_timeout_s,
+                          on_kv_failure=OnKVFailure(args.on_kv_failure))
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from kvpush.server.serve import run_serve
 
-    if Role(args.role) is not Role.COLOCATED:
-        raise SystemExit(f"kvpush: --role {args.role} needs the KV transfer layer, which is not built yet")
-    run_serve(engine_config_from_args(args), server_config_from_args(args))
+    run_serve(engine_config_from_args(args), server_config_from_args(args), transfer_config_from_args(args))
     return 0
 
 
@@ -107,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", help="checkpoint directory (Hugging Face format)")
     add_engine_arguments(p)
     add_server_arguments(p)
+    add_transfer_arguments(p)
     p.set_defaults(func=cmd_serve)
     p = sub.add_parser("make-model", help="write a random-weight Qwen3 checkpoint")
     p.add_argument("out")

@@ -13,6 +13,7 @@ import json
 import os
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import msgspec
 import torch
@@ -27,6 +28,9 @@ from kvpush.errors import InvalidRequestError
 from kvpush.kv_cache import KVCache, KVLayout
 from kvpush.models.loader import load_model
 
+if TYPE_CHECKING:
+    from kvpush.transfer.base import KVConnector
+
 
 @dataclass
 class EngineOutput:
@@ -39,10 +43,12 @@ class EngineOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None
+    kv_transfer_params: dict | None = None
+    trace: dict[str, float] | None = None
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, connector: KVConnector | None = None) -> None:
         self.config = config
         torch.set_num_threads(config.torch_threads)
         self.device = torch.device(config.model.device)
@@ -58,6 +64,15 @@ class LLMEngine:
         self.eos_token_ids = set(self.arch.eos_token_ids) | _generation_eos(config.model.model)
         self.finished: list[EngineOutput] = []
         self.step_count = 0
+        self.connector: KVConnector | None = None
+        if connector is not None:
+            self.set_connector(connector)
+
+    def set_connector(self, connector: KVConnector) -> None:
+        """Install the KV connector of a prefill or decode role (before any request)."""
+        self.connector = connector
+        self.scheduler.hold = connector.on_finished
+        connector.attach(self)
 
     def _layout(self) -> KVLayout:
         cache_cfg, arch = self.config.cache, self.arch
@@ -85,9 +100,15 @@ class LLMEngine:
             request.generator = torch.Generator(device="cpu").manual_seed(params.seed)
         return request
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    kv_transfer_params: dict | None = None) -> Request:
+        """Queue a request. Raises InvalidRequestError (nothing queued) if it can never run here."""
         request = self.make_request(request_id, prompt_token_ids, params)
         request.trace["admitted"] = time.time()
+        if self.connector is not None:
+            self.connector.on_add(request, kv_transfer_params)
+        elif kv_transfer_params is not None:
+            raise InvalidRequestError("kv_transfer_params given to a colocated instance", param="kv_transfer_params")
         self.scheduler.add(request)
         return request
 
@@ -104,12 +125,16 @@ class LLMEngine:
 
     # ---- stepping ------------------------------------------------------------------------
     def has_unfinished(self) -> bool:
-        return self.scheduler.num_unfinished() > 0 or bool(self.finished)
+        pending_events = self.connector is not None and self.connector.has_events()
+        return self.scheduler.num_unfinished() > 0 or bool(self.finished) or pending_events
 
     def step(self) -> list[EngineOutput]:
-        """Schedule, run the model once, sample. Returns outputs of requests that progressed or ended."""
+        """Apply transfer events, schedule, run the model once, sample. Returns outputs of requests
+        that progressed or ended."""
+        polled = self.connector.poll() if self.connector is not None else []
         out = self.scheduler.schedule(self.admission_hook())
         outputs, self.finished = self.finished, []
+        outputs += [self._output(r, r.output_token_ids[-1:] if r.output_token_ids else []) for r in polled]
         if out.empty:
             return outputs
         sampled = self.runner.execute(out.scheduled)
@@ -122,11 +147,11 @@ class LLMEngine:
         return outputs
 
     def admission_hook(self):
-        """Connectors override: decides per waiting request whether it may be admitted now."""
-        return None
+        """The connector decides per waiting request whether it may be admitted now."""
+        return self.connector.admit if self.connector is not None else None
 
     def on_token(self, request: Request) -> None:
-        """Connectors override: called after a request got a token (it may have finished)."""
+        """Called after a request got a token (it may have finished)."""
         if request.num_output_tokens == 1:
             request.trace["first_token"] = time.time()
 
@@ -139,6 +164,8 @@ class LLMEngine:
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=request.num_cached_tokens,
             error=request.error,
+            kv_transfer_params=request.kv_result if request.is_finished else None,
+            trace=dict(request.trace) if request.is_finished and self.connector is not None else None,
         )
 
 

@@ -76,6 +76,8 @@ class Request:
     trace: dict[str, float] = field(default_factory=dict)
     # Opaque per-request state of the KV connector (decode/prefill roles), owned by the connector.
     kv_state: object | None = None
+    # What the connector returns to the caller when the request ends (P: its PrefillResult).
+    kv_result: dict | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -36,6 +36,8 @@ class SchedulerOutput:
 
 # Called for a waiting request before it is admitted; returns False to keep it waiting.
 AdmissionHook = Callable[[Request], bool]
+# Called when a request finishes, before its blocks are freed; True if the caller took the blocks.
+HoldHook = Callable[[Request], bool]
 
 
 class Scheduler:
@@ -48,6 +50,7 @@ class Scheduler:
         # Requests whose KV is being received (decode role); they hold blocks but are not run.
         self.remote: dict[str, Request] = {}
         self.requests: dict[str, Request] = {}
+        self.hold: HoldHook | None = None
 
     # ---- queue management ----------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -67,7 +70,8 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         self.remote.pop(request.request_id, None)
-        self.block_manager.free(request)
+        if self.hold is None or not self.hold(request):
+            self.block_manager.free(request)
         self.requests.pop(request.request_id, None)
 
     def park_remote(self, request: Request) -> None:

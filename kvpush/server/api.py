@@ -49,6 +49,7 @@ class OpenAIServer:
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
+        app.router.add_get("/v1/kv_info", self.kv_info)
         app.router.add_get("/metrics", self.metrics_endpoint)
         return app
 
@@ -84,6 +85,16 @@ class OpenAIServer:
         if not self.engine.healthy:
             return self._error(503, "engine is not running")
         return web.Response(text="ok")
+
+    async def kv_info(self, request: web.Request) -> web.Response:
+        """What the proxy needs to pair this instance with its peers."""
+        info = self.engine.info
+        if info is None:
+            return self._error(503, "engine is not running")
+        host, _, port = (info.kv_address or ":0").rpartition(":")
+        return R.json_response({"engine_id": info.engine_id, "role": info.role, "kv_mode": info.kv_mode,
+                                "kv_host": host or None, "kv_port": int(port) or None,
+                                "block_size": info.block_size, "max_model_len": info.max_model_len})
 
     async def models(self, request: web.Request) -> web.Response:
         info = self.engine.info

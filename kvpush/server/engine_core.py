@@ -16,7 +16,7 @@ import os
 import time
 from multiprocessing.connection import Connection, wait
 
-from kvpush.config import EngineConfig
+from kvpush.config import EngineConfig, Role, TransferConfig
 from kvpush.engine.engine import EngineOutput, LLMEngine
 from kvpush.errors import InvalidRequestError, KVPushError
 from kvpush.server import messages as m
@@ -56,6 +56,7 @@ class EngineCore:
         self.waker = waker
         self.stopped = False
         self.last_stats = 0.0
+        self.last_key: tuple[int, ...] = ()
 
     def run(self) -> None:
         while not self.stopped:
@@ -94,7 +95,8 @@ class EngineCore:
 
     def _add(self, msg: m.AddRequest) -> None:
         try:
-            self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.sampling_params)
+            self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.sampling_params,
+                                    msg.kv_transfer_params)
         except InvalidRequestError as e:
             delta = m.RequestDelta(msg.request_id, [], finish_reason="error", error=str(e), error_status=400)
             self.conn_out.send_bytes(m.encode(m.StepOutputs([delta])))
@@ -102,11 +104,17 @@ class EngineCore:
     def _send(self, outputs: list[EngineOutput]) -> None:
         now = time.monotonic()
         stats = None
-        if outputs or now - self.last_stats > STATS_INTERVAL_S:
-            stats, self.last_stats = self.stats(), now
+        key = self._stats_key()
+        if outputs or key != self.last_key or now - self.last_stats > STATS_INTERVAL_S:
+            stats, self.last_stats, self.last_key = self.stats(), now, key
         if outputs or stats is not None:
             deltas = [to_delta(o) for o in outputs]
             self.conn_out.send_bytes(m.encode(m.StepOutputs(deltas, stats)))
+
+    def _stats_key(self) -> tuple[int, ...]:
+        """Cheap summary of the state /metrics shows: stats go out at once when it changes."""
+        s = self.engine.scheduler
+        return (len(s.running), len(s.waiting), len(s.remote), self.engine.block_manager.num_free_blocks)
 
     def stats(self) -> m.EngineStats:
         s, bm = self.engine.scheduler, self.engine.block_manager
@@ -120,6 +128,7 @@ class EngineCore:
             prefix_cache_queries=bm.num_queries,
             prefix_cache_hits=bm.num_hits,
             steps=self.engine.step_count,
+            transfer=self.engine.connector.stats() if self.engine.connector is not None else None,
         )
 
 
@@ -132,22 +141,49 @@ def to_delta(o: EngineOutput) -> m.RequestDelta:
         num_prompt_tokens=o.num_prompt_tokens,
         num_cached_tokens=o.num_cached_tokens,
         error=o.error,
+        error_status=502 if o.error and o.error.startswith("KV transfer") else 500,
+        kv_transfer_params=o.kv_transfer_params,
+        trace=o.trace,
     )
 
 
-def run_engine_core(config: EngineConfig, conn_in: Connection, conn_out: Connection) -> None:
+def build_engine(config: EngineConfig, role: Role, transfer: TransferConfig, waker: Waker) -> LLMEngine:
+    """The engine of a role: colocated has no connector; prefill and decode get theirs."""
+    if role is Role.COLOCATED:
+        return LLMEngine(config)
+    engine = LLMEngine(config)
+    from kvpush.transfer.decode import DecodeConnector
+    from kvpush.transfer.prefill import PrefillConnector
+    from kvpush.transfer.runtime import TransferRuntime
+
+    runtime = TransferRuntime(role, transfer, engine.cache, config.model.model, str(engine.dtype), waker.wake)
+    connector = PrefillConnector(runtime, transfer) if role is Role.PREFILL else DecodeConnector(runtime, transfer)
+    engine.set_connector(connector)
+    runtime.start()
+    return engine
+
+
+def run_engine_core(config: EngineConfig, conn_in: Connection, conn_out: Connection,
+                    role: Role = Role.COLOCATED, transfer: TransferConfig | None = None) -> None:
     """Entry point of the spawned engine-core process."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    waker = Waker()
     try:
-        engine = LLMEngine(config)
+        engine = build_engine(config, role, transfer or TransferConfig(), waker)
     except (KVPushError, OSError) as e:
         conn_out.send_bytes(m.encode(m.CoreFailed(f"{type(e).__name__}: {e}")))
         return
+    connector = engine.connector
     ready = m.CoreReady(engine.max_model_len, engine.arch.vocab_size, engine.layout.num_blocks,
-                        engine.layout.block_size)
+                        engine.layout.block_size, kv_address=connector.kv_address if connector else None,
+                        engine_id=connector.engine_id if connector else "", role=role.value,
+                        kv_mode=transfer.kv_mode.value if connector and transfer else None)
     conn_out.send_bytes(m.encode(ready))
-    core = EngineCore(engine, conn_in, conn_out, Waker())
+    core = EngineCore(engine, conn_in, conn_out, waker)
     try:
         core.run()
     except (BrokenPipeError, EOFError):
         pass  # the API process is gone
+    finally:
+        if connector is not None:
+            connector.shutdown()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import msgspec
 
 from kvpush.engine.sampling_params import SamplingParams
+from kvpush.transfer.stats import TransferStats
 
 
 class LogprobEntry(msgspec.Struct, array_like=True):
@@ -56,6 +57,7 @@ class EngineStats(msgspec.Struct):
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     steps: int = 0
+    transfer: TransferStats | None = None
 
 
 class StepOutputs(msgspec.Struct, tag=True):
@@ -70,6 +72,8 @@ class CoreReady(msgspec.Struct, tag=True):
     block_size: int
     kv_address: str | None = None  # host:port of the KV side channel (prefill/decode roles)
     engine_id: str = ""
+    role: str = "colocated"
+    kv_mode: str | None = None
 
 
 class CoreFailed(msgspec.Struct, tag=True):

@@ -12,7 +12,7 @@ import signal
 
 from aiohttp import web
 
-from kvpush.config import EngineConfig, ServerConfig
+from kvpush.config import EngineConfig, ServerConfig, TransferConfig
 from kvpush.server.api import OpenAIServer
 from kvpush.server.engine_client import EngineClient
 from kvpush.tokenizer import Tokenizer
@@ -35,10 +35,11 @@ async def wait_for_signal() -> None:
     await stop.wait()
 
 
-async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> None:
+async def serve(engine_config: EngineConfig, server_config: ServerConfig,
+                transfer_config: TransferConfig | None = None) -> None:
     tokenizer = Tokenizer.from_pretrained(engine_config.model.model)
     engine = EngineClient(engine_config)
-    await engine.start()
+    await engine.start(extra_args=(server_config.role, transfer_config or TransferConfig()))
     server = OpenAIServer(server_config, engine, tokenizer, engine_config.model.model)
     runner = await start_http(server.build_app(), server_config.host, server_config.port)
     print(f"kvpush: serving {server.model_name} ({server_config.role.value}) on "
@@ -50,6 +51,7 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> Non
         await engine.shutdown()
 
 
-def run_serve(engine_config: EngineConfig, server_config: ServerConfig) -> None:
+def run_serve(engine_config: EngineConfig, server_config: ServerConfig,
+              transfer_config: TransferConfig | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    asyncio.run(serve(engine_config, server_config))
+    asyncio.run(serve(engine_config, server_config, transfer_config))

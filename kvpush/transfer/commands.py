@@ -1,0 +1,112 @@
+"""Messages between the engine thread and the transfer thread of one process (queues, not wires).
+
+Engine -> transfer thread: Expect, Hold, Register, Read, SendNotif, Cancel (and AddPeer from the
+side-channel thread). Transfer thread -> engine: FreeBlocks, KVReady, KVFailed.
+Block ids are always this instance's own; remote ids travel inside the ledger and PushReg.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from kvpush.transfer import protocol as pr
+from kvpush.transfer.handshake import HandshakeInfo
+
+
+@dataclass(frozen=True)
+class PeerAddr:
+    engine_id: str
+    host: str
+    port: int
+
+
+@dataclass(frozen=True)
+class Expect:
+    """P: a request with this transfer_id was admitted; its PushReg may come any time."""
+
+    transfer_id: str
+
+
+@dataclass(frozen=True)
+class Hold:
+    """P: prefill finished; the transfer thread owns these blocks until it emits FreeBlocks for them."""
+
+    transfer_id: str
+    request_id: str
+    block_ids: tuple[int, ...]
+    num_tokens: int
+    first_token_id: int | None
+    lease_deadline: float
+    decode_engine_id: str | None
+
+
+@dataclass(frozen=True)
+class Register:
+    """D (push): handshake with P if needed, record the transfer, send PushReg."""
+
+    transfer_id: str
+    request_id: str
+    peer: PeerAddr
+    block_ids: tuple[int, ...]
+    num_prefix_tokens: int
+    num_tokens: int
+    deadline: float
+
+
+@dataclass(frozen=True)
+class Read:
+    """D (pull): handshake with P if needed, READ P's blocks into ours, notify P when done."""
+
+    transfer_id: str
+    request_id: str
+    peer: PeerAddr
+    local_ids: tuple[int, ...]
+    remote_ids: tuple[int, ...]
+    num_tokens: int
+    deadline: float
+
+
+@dataclass(frozen=True)
+class SendNotif:
+    """Send a control message to a peer (handshaking first if needed)."""
+
+    peer: PeerAddr
+    message: pr.Message
+
+
+@dataclass(frozen=True)
+class Cancel:
+    """Either side: the request of this transfer is gone (abort, error); tell the peer."""
+
+    transfer_id: str
+    reason: str
+    peer_engine_id: str | None = None
+
+
+@dataclass(frozen=True)
+class AddPeer:
+    info: HandshakeInfo
+    done: Future
+
+
+@dataclass(frozen=True)
+class FreeBlocks:
+    block_ids: list[int]
+
+
+@dataclass(frozen=True)
+class KVReady:
+    transfer_id: str
+    request_id: str
+    first_token_id: int | None
+
+
+@dataclass(frozen=True)
+class KVFailed:
+    transfer_id: str
+    request_id: str
+    reason: str
+
+
+Event = FreeBlocks | KVReady | KVFailed

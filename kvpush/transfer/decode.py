@@ -1,0 +1,214 @@
+"""The decode side (D) of a disaggregated deployment.
+
+Request lifecycle on D:
+    admitted with DecodeLegParams -> WAITING (until blocks are free)
+    -> blocks allocated; D's prefix cache covers the first blocks, the rest is received:
+         nothing to receive: P is told to Release; the request runs at once
+         push: PushReg sent to P (Register)     pull: READ of P's blocks posted (Read)
+       -> WAITING_FOR_REMOTE_KV
+    -> KVReady: num_computed_tokens = tokens received (prompt, or prompt - 1 when D recomputes
+       the last position); with first-token from-prefill P's token is D's first output
+       -> WAITING (front of the queue) -> RUNNING: decodes as any request.
+    -> KVFailed (P's Fail, deadline, post error): the transfer's blocks are detached and stay
+       quarantined until nothing can land in them; the request fails with an error or is
+       recomputed locally (--on-kv-failure). It never decodes from KV that did not fully arrive.
+A request aborted while its KV is arriving cancels the transfer the same way (P is told to Abort).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from kvpush.config import FirstToken, KVMode, OnKVFailure, TransferConfig
+from kvpush.engine.request import Request, RequestStatus
+from kvpush.errors import InvalidRequestError
+from kvpush.transfer import protocol as pr
+from kvpush.transfer.base import KVConnector
+from kvpush.transfer.commands import (
+    Cancel,
+    FreeBlocks,
+    KVFailed,
+    KVReady,
+    PeerAddr,
+    Read,
+    Register,
+    SendNotif,
+)
+from kvpush.transfer.prefill import parse_params
+from kvpush.transfer.runtime import TransferRuntime
+from kvpush.transfer.stats import TransferStats
+
+
+@dataclass
+class DecodeState:
+    params: pr.DecodeLegParams
+    deadline: float
+    admitted: bool = False
+    pending: bool = False  # the transfer is under way (registered or read posted, no outcome yet)
+    need_len: int = 0  # prompt tokens whose KV D must hold before decoding
+    transfer_blocks: tuple[int, ...] = ()
+
+    @property
+    def peer(self) -> PeerAddr:
+        p = self.params
+        return PeerAddr(p.prefill_engine_id, p.prefill_kv_host, p.prefill_kv_port)
+
+
+class DecodeConnector(KVConnector):
+    def __init__(self, runtime: TransferRuntime, config: TransferConfig) -> None:
+        self.runtime = runtime
+        self.config = config
+        self.fallbacks = 0
+
+    @property
+    def kv_address(self) -> str:
+        return self.runtime.kv_address
+
+    @property
+    def engine_id(self) -> str:
+        return self.runtime.engine_id
+
+    def on_add(self, request: Request, kv_transfer_params: dict | None) -> None:
+        if kv_transfer_params is None:
+            return  # a plain request: computed locally
+        params = parse_params(kv_transfer_params, pr.DecodeLegParams, self.runtime.mode, "decode")
+        if params.num_tokens is not None and params.num_tokens != request.num_prompt_tokens:
+            raise InvalidRequestError(f"prefill computed {params.num_tokens} tokens but this request has "
+                                      f"{request.num_prompt_tokens}", param="kv_transfer_params")
+        request.kv_state = DecodeState(params, deadline=time.time() + self.config.kv_timeout_s)
+
+    # ---- admission -----------------------------------------------------------------------
+    def admit(self, request: Request) -> bool:
+        st = request.kv_state
+        if not isinstance(st, DecodeState) or st.admitted:
+            return True
+        bm, bs, n = self.engine.block_manager, self.engine.block_manager.block_size, request.num_prompt_tokens
+        st.need_len = n if self._from_prefill(st) else n - 1
+        hits = bm.find_cached_prefix_tokens(request.prompt_token_ids[: st.need_len])
+        if st.params.mode is KVMode.PUSH and len(hits) * bs == st.need_len and st.need_len == n:
+            st.need_len = n - 1  # a full hit leaves nothing to push: recompute the last position instead
+            hits = hits[: st.need_len // bs]
+        if not bm.allocate(request, n - len(hits) * bs, hits):
+            return False
+        st.admitted = True
+        request.num_cached_tokens = len(hits) * bs
+        st.transfer_blocks = tuple(request.block_table[len(hits) : -(-st.need_len // bs)])
+        request.trace["d_admitted"] = time.time()
+        if st.transfer_blocks:
+            self._start_transfer(request, st, len(hits))
+        else:
+            self._nothing_to_receive(request, st)
+        return True
+
+    def _from_prefill(self, st: DecodeState) -> bool:
+        return st.params.first_token is FirstToken.FROM_PREFILL
+
+    def _start_transfer(self, request: Request, st: DecodeState, first: int) -> None:
+        p, bs = st.params, self.engine.block_manager.block_size
+        self.engine.scheduler.park_remote(request)
+        st.pending = True
+        if p.mode is KVMode.PUSH:
+            cmd: Register | Read = Register(p.transfer_id, request.request_id, st.peer, st.transfer_blocks,
+                                            first * bs, request.num_prompt_tokens, st.deadline)
+        else:
+            remote = tuple((p.block_ids or [])[first : first + len(st.transfer_blocks)])
+            cmd = Read(p.transfer_id, request.request_id, st.peer, st.transfer_blocks, remote,
+                       request.num_prompt_tokens, st.deadline)
+        self.runtime.worker.submit(cmd)
+
+    def _nothing_to_receive(self, request: Request, st: DecodeState) -> None:
+        """D's prefix cache holds every block it needs: P may free its copy; run at once."""
+        self.runtime.worker.submit(SendNotif(st.peer, pr.Release(st.params.transfer_id)))
+        request.num_computed_tokens = st.need_len
+        if st.need_len == request.num_prompt_tokens:  # pull, first token from prefill: P's token is known
+            self._append_first(request, st.params.first_token_id)
+
+    # ---- events --------------------------------------------------------------------------
+    def poll(self) -> list[Request]:
+        out: list[Request] = []
+        for event in self.runtime.drain_events():
+            if isinstance(event, FreeBlocks):
+                self.engine.block_manager.free_blocks(event.block_ids)
+            elif isinstance(event, KVReady):
+                self._ready(event, out)
+            elif isinstance(event, KVFailed):
+                self._failed(event, out)
+        return out
+
+    def has_events(self) -> bool:
+        return not self.runtime.events.empty()
+
+    def _request_of(self, transfer_id: str, request_id: str) -> tuple[Request, DecodeState] | None:
+        request = self.engine.scheduler.remote.get(request_id)
+        st = request.kv_state if request is not None else None
+        if request is None or not isinstance(st, DecodeState) or st.params.transfer_id != transfer_id:
+            return None  # aborted meanwhile, or not ours: the ledger already made it harmless
+        return request, st
+
+    def _ready(self, event: KVReady, out: list[Request]) -> None:
+        found = self._request_of(event.transfer_id, event.request_id)
+        if found is None:
+            return
+        request, st = found
+        st.pending = False
+        request.trace["kv_ready"] = time.time()
+        request.num_computed_tokens = st.need_len
+        scheduler = self.engine.scheduler
+        if st.need_len == request.num_prompt_tokens:
+            token = event.first_token_id if event.first_token_id is not None else st.params.first_token_id
+            if token is None:
+                self._failed(KVFailed(event.transfer_id, event.request_id, "P sent no first token"), out)
+                return
+            self._append_first(request, token)
+            out.append(request)
+            if request.is_finished:
+                return
+        scheduler.resume_remote(request)
+
+    def _append_first(self, request: Request, token: int | None) -> None:
+        assert token is not None
+        request.output_token_ids.append(token)
+        self.engine.on_token(request)
+        status = self.engine.scheduler.check_stop(request)
+        if status is not None:
+            self.engine.scheduler.finish(request, status)
+
+    def _failed(self, event: KVFailed, out: list[Request]) -> None:
+        found = self._request_of(event.transfer_id, event.request_id)
+        if found is None:
+            return
+        request, st = found
+        self._detach(request, st)
+        scheduler = self.engine.scheduler
+        if self.config.on_kv_failure is OnKVFailure.RECOMPUTE:
+            self.fallbacks += 1
+            self.engine.block_manager.free(request)
+            request.kv_state = None
+            request.num_computed_tokens = request.num_cached_tokens = 0
+            scheduler.resume_remote(request)  # front of the queue, computed locally from scratch
+            return
+        request.error = f"KV transfer from prefill failed: {event.reason}"
+        scheduler.finish(request, RequestStatus.FINISHED_ERROR)
+        out.append(request)
+
+    def _detach(self, request: Request, st: DecodeState) -> None:
+        """Take the transfer's blocks out of the request: they come back via FreeBlocks when safe."""
+        st.pending = False
+        held = set(st.transfer_blocks)
+        request.block_table = [b for b in request.block_table if b not in held]
+        self.engine.block_manager.uncache(list(held))
+
+    def on_finished(self, request: Request) -> bool:
+        st = request.kv_state
+        if isinstance(st, DecodeState) and st.pending:
+            self._detach(request, st)
+            self.runtime.worker.submit(Cancel(st.params.transfer_id, f"decode {request.status.value}",
+                                              st.params.prefill_engine_id))
+        return False
+
+    def stats(self) -> TransferStats:
+        return self.runtime.worker.stats()
+
+    def shutdown(self) -> None:
+        self.runtime.shutdown()

@@ -1,0 +1,109 @@
+"""The prefill side (P) of a disaggregated deployment.
+
+Request lifecycle on P:
+    admitted (kv_transfer_params = PrefillLegParams; max_tokens forced to 1; push: Expect sent)
+    -> prefill computed, first token sampled -> FINISHED: blocks *held* (Hold sent to the transfer
+       thread) and PrefillResult returned to the proxy (pull: P's block ids and lease)
+    -> transfer DONE (push: WRITE done; pull: D's ReadDone; either: D's Release)
+       or FAILED / EXPIRED (lease) -> FreeBlocks event -> blocks back to the block manager.
+A request that ends without a prefill (aborted) frees its blocks at once and tells D (Cancel).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import msgspec
+
+from kvpush.config import KVMode, TransferConfig
+from kvpush.engine.request import Request, RequestStatus
+from kvpush.errors import InvalidRequestError
+from kvpush.transfer import protocol as pr
+from kvpush.transfer.base import KVConnector
+from kvpush.transfer.commands import Cancel, Expect, FreeBlocks, Hold
+from kvpush.transfer.runtime import TransferRuntime
+from kvpush.transfer.stats import TransferStats
+
+
+@dataclass
+class PrefillState:
+    params: pr.PrefillLegParams
+
+
+def parse_params(kv: dict | None, cls, mode: KVMode, role: str):
+    """kv_transfer_params of one leg, checked against this instance's mode. InvalidRequestError if bad."""
+    if kv is None:
+        raise InvalidRequestError(f"a {role} instance needs kv_transfer_params from the proxy",
+                                  param="kv_transfer_params")
+    try:
+        params = pr.params_from_dict(kv, cls)
+    except pr.ProtocolError as e:
+        raise InvalidRequestError(str(e), param="kv_transfer_params") from e
+    if params.mode is not mode:
+        raise InvalidRequestError(f"kv_transfer_params mode {params.mode.value!r} but this instance runs "
+                                  f"--kv-mode {mode.value}", param="kv_transfer_params")
+    return params
+
+
+class PrefillConnector(KVConnector):
+    def __init__(self, runtime: TransferRuntime, config: TransferConfig) -> None:
+        self.runtime = runtime
+        self.config = config
+        self.host, port = runtime.kv_address.rsplit(":", 1)
+        self.port = int(port)
+
+    @property
+    def kv_address(self) -> str:
+        return self.runtime.kv_address
+
+    @property
+    def engine_id(self) -> str:
+        return self.runtime.engine_id
+
+    def on_add(self, request: Request, kv_transfer_params: dict | None) -> None:
+        params = parse_params(kv_transfer_params, pr.PrefillLegParams, self.runtime.mode, "prefill")
+        request.sampling_params = msgspec.structs.replace(request.sampling_params, max_tokens=1, min_tokens=0)
+        request.kv_state = PrefillState(params)
+        if params.mode is KVMode.PUSH:
+            self.runtime.worker.submit(Expect(params.transfer_id))
+
+    def on_finished(self, request: Request) -> bool:
+        st = request.kv_state
+        if not isinstance(st, PrefillState):
+            return False
+        p = st.params
+        if request.status not in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED) \
+                or not request.output_token_ids:
+            self.runtime.worker.submit(Cancel(p.transfer_id, f"prefill {request.status.value}", p.decode_engine_id))
+            return False
+        blocks = tuple(request.block_table)
+        request.block_table = []
+        now = time.time()
+        lease = now + self.config.kv_lease_s
+        first = request.output_token_ids[0]
+        self.runtime.worker.submit(Hold(p.transfer_id, request.request_id, blocks, request.num_prompt_tokens,
+                                        first, lease, p.decode_engine_id))
+        pull = p.mode is KVMode.PULL
+        result = pr.PrefillResult(
+            transfer_id=p.transfer_id, mode=p.mode, prefill_engine_id=self.engine_id, prefill_kv_host=self.host,
+            prefill_kv_port=self.port, num_tokens=request.num_prompt_tokens,
+            block_ids=list(blocks) if pull else [], lease_expiry=lease if pull else None, first_token_id=first)
+        request.kv_result = pr.params_to_dict(result)
+        request.trace["prefill_done"] = now
+        return True
+
+    def poll(self) -> list[Request]:
+        for event in self.runtime.drain_events():
+            if isinstance(event, FreeBlocks):
+                self.engine.block_manager.free_blocks(event.block_ids)
+        return []
+
+    def has_events(self) -> bool:
+        return not self.runtime.events.empty()
+
+    def stats(self) -> TransferStats:
+        return self.runtime.worker.stats()
+
+    def shutdown(self) -> None:
+        self.runtime.shutdown()

@@ -1,0 +1,84 @@
+"""Everything a prefill or decode instance needs to move KV: the NIXL agent with the KV buffer
+registered, this instance's handshake info, the transfer thread and the side channel.
+
+Lifecycle: start() (agent created, buffer registered, threads started) -> running -> shutdown()
+(side channel closed, transfer thread stopped, agent torn down by that thread).
+"""
+
+from __future__ import annotations
+
+import queue
+import uuid
+from collections.abc import Callable
+
+from kvpush.config import KVMode, Role, TransferConfig
+from kvpush.kv_cache import KVCache
+from kvpush.transfer.commands import Event
+from kvpush.transfer.handshake import HandshakeInfo, compat_hash, compat_summary
+from kvpush.transfer.ledger import Side
+from kvpush.transfer.nixl_agent import NixlTransferAgent
+from kvpush.transfer.side_channel import SideChannelServer
+from kvpush.transfer.worker import TransferWorker
+
+
+def new_engine_id(role: Role) -> str:
+    return f"{role.value}-{uuid.uuid4().hex[:12]}"
+
+
+class TransferRuntime:
+    def __init__(self, role: Role, config: TransferConfig, cache: KVCache, model_id: str, dtype: str,
+                 wake: Callable[[], None]) -> None:
+        self.role = role
+        self.config = config
+        self.engine_id = new_engine_id(role)
+        self.events: queue.SimpleQueue[Event] = queue.SimpleQueue()
+        self._wake = wake
+        layout = cache.layout
+        self.agent = NixlTransferAgent(self.engine_id, memory_type="VRAM" if cache.kv.is_cuda else "DRAM",
+                                       device_id=cache.kv.device.index or 0)
+        geometry = self.agent.register_kv(cache.kv)
+        # The compat hash covers the transfer mode, so push and pull instances never pair up.
+        fields = (model_id, dtype, layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.block_size,
+                  config.kv_mode.value)
+        self.side_channel = SideChannelServer(config.kv_host, config.kv_port, self._on_handshake)
+        self.info = HandshakeInfo(
+            engine_id=self.engine_id, role=role, agent_name=self.engine_id, agent_metadata=self.agent.metadata(),
+            base_address=geometry.base_addr, num_blocks=geometry.num_blocks, num_layers=geometry.num_layers,
+            block_bytes=geometry.block_bytes, layer_bytes=geometry.layer_bytes,
+            memory_type=geometry.memory_type, device_id=geometry.device_id,
+            compat_hash=compat_hash(*fields), compat_summary=compat_summary(*fields))
+        side = Side.PREFILL if role is Role.PREFILL else Side.DECODE
+        self.worker = TransferWorker(side, self.agent, self.info, config.kv_secret, self._emit, layout.block_size)
+
+    @property
+    def kv_address(self) -> str:
+        return f"{self.side_channel.host}:{self.side_channel.port}"
+
+    @property
+    def mode(self) -> KVMode:
+        return self.config.kv_mode
+
+    def start(self) -> TransferRuntime:
+        self.worker.start()
+        self.side_channel.start()
+        return self
+
+    def _on_handshake(self, frame: bytes) -> bytes:
+        return self.worker.handle_handshake(frame)
+
+    def _emit(self, event: Event) -> None:
+        self.events.put(event)
+        self._wake()
+
+    def drain_events(self) -> list[Event]:
+        out: list[Event] = []
+        try:
+            while True:
+                out.append(self.events.get_nowait())
+        except queue.Empty:
+            return out
+
+    def shutdown(self) -> None:
+        self.side_channel.close()
+        self.worker.stop()
+        self.worker.join(timeout=10)

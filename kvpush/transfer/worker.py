@@ -1,0 +1,400 @@
+"""The transfer thread of one prefill or decode instance: it owns every NIXL call.
+
+The engine thread hands it commands (a thread-safe queue) and gets events back (another queue,
+plus a wake-up of the step loop). The side-channel thread hands it handshakes to apply.
+
+P (prefill) per transfer:  Expect -> Hold (prefill done) -+-> [PushReg matched] WRITE posted
+                                                          |      -> WRITE done -> FreeBlocks
+                                                          +-> [pull] ReadDone / Release -> FreeBlocks
+                           lease expiry / Abort / Fail -> FreeBlocks (+ Fail to D on expiry)
+D (decode) per transfer:   Register (push: PushReg sent)  -> Done notification -> KVReady
+                           Read (pull: READ posted)       -> READ done (ReadDone to P) -> KVReady
+                           Fail / deadline / Cancel -> KVFailed; blocks quarantined until
+                           nothing can be in flight, then FreeBlocks
+
+Polling: tight (with a short, growing sleep) while any transfer or expected notification is
+outstanding; when idle it blocks on its command queue and checks notifications a few times a second.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+
+from kvpush.errors import HandshakeError, TransferError
+from kvpush.transfer import protocol as pr
+from kvpush.transfer.commands import (
+    AddPeer,
+    Cancel,
+    Event,
+    Expect,
+    FreeBlocks,
+    Hold,
+    KVFailed,
+    KVReady,
+    PeerAddr,
+    Read,
+    Register,
+    SendNotif,
+)
+from kvpush.transfer.handshake import HandshakeInfo, pack, verify_and_decode
+from kvpush.transfer.ledger import Side, TransferLedger, TransferRecord
+from kvpush.transfer.ledger import TransferState as S
+from kvpush.transfer.nixl_agent import KVGeometry, NixlTransferAgent, Transfer, TransferState
+from kvpush.transfer.side_channel import request as side_request
+from kvpush.transfer.stats import TransferMetrics
+
+log = logging.getLogger("kvpush.transfer")
+IDLE_WAIT_S = 0.2
+MAX_BACKOFF_S = 0.0005
+HOUSEKEEPING_S = 0.01
+
+
+class TransferWorker(threading.Thread):
+    def __init__(self, side: Side, agent: NixlTransferAgent, info: HandshakeInfo, secret: str | None,
+                 emit: Callable[[Event], None], block_size: int, handshake_timeout_s: float = 5.0) -> None:
+        super().__init__(name=f"kvpush-transfer-{side.value}", daemon=True)
+        self.side = side
+        self.block_size = block_size
+        self.agent = agent
+        self.info = info
+        self.secret = secret
+        self.emit = emit
+        self.handshake_timeout_s = handshake_timeout_s
+        self.ledger = TransferLedger(side)
+        self.metrics = TransferMetrics()
+        self.commands: queue.SimpleQueue = queue.SimpleQueue()
+        self.posted: dict[str, Transfer] = {}
+        self.expected: set[str] = set()  # P: transfers announced by the engine, prefill not done yet
+        self.peers: dict[str, str] = {}  # engine id -> nixl peer name
+        self.first_tokens: dict[str, int | None] = {}
+        self.cancelled: dict[str, str] = {}  # P: transfer id -> reason, cancelled before any record
+        self._live = False  # some ledger record is not terminal (refreshed on every change)
+        self._stop = threading.Event()
+        self._last_housekeeping = 0.0
+
+    # ---- thread API (any thread) ---------------------------------------------------------
+    def submit(self, command: object) -> None:
+        self.commands.put(command)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.commands.put(None)
+
+    def handle_handshake(self, frame: bytes) -> bytes:
+        """Side-channel thread: verify a peer's handshake, have this thread add it, answer ours."""
+        peer = verify_and_decode(frame, self.secret, self.info.compat_hash,
+                                 expected_compat_summary=self.info.compat_summary)
+        done: Future[str] = Future()
+        self.submit(AddPeer(peer, done))
+        try:
+            done.result(timeout=self.handshake_timeout_s)
+        except (TimeoutError, TransferError) as e:
+            raise HandshakeError(f"cannot add peer {peer.engine_id}: {e}") from e
+        return pack(self.info, self.secret)
+
+    # ---- loop ----------------------------------------------------------------------------
+    def run(self) -> None:
+        backoff = 0.0
+        cpu0 = time.thread_time()
+        while not self._stop.is_set():
+            busy = self._busy()
+            try:
+                progressed = self._drain(None if busy else IDLE_WAIT_S)
+                progressed |= self._poll_posted()
+                progressed |= self._poll_notifs()
+                self._housekeeping()
+            except TransferError as e:  # never let one bad transfer stop the thread
+                log.error("transfer thread: %s", e)
+                progressed = True
+            if progressed:
+                self._refresh_live()
+            self.metrics.thread_cpu_s = time.thread_time() - cpu0
+            if progressed or not busy:
+                backoff = 0.0
+            else:
+                backoff = min(MAX_BACKOFF_S, backoff * 2 or 0.00002)
+                time.sleep(backoff)
+        self.agent.close()
+
+    def _busy(self) -> bool:
+        return bool(self.posted or self.expected or self._live)
+
+    def _refresh_live(self) -> None:
+        counts = self.ledger.count_by_state()
+        self._live = any(n for state, n in counts.items() if not state.is_terminal)
+
+    def _drain(self, wait_s: float | None) -> bool:
+        progressed = False
+        try:
+            cmd = self.commands.get(timeout=wait_s) if wait_s else self.commands.get_nowait()
+            while True:
+                if cmd is not None:
+                    self._handle(cmd)
+                    progressed = True
+                cmd = self.commands.get_nowait()
+        except queue.Empty:
+            return progressed
+
+    def _handle(self, cmd: object) -> None:
+        try:
+            self._dispatch(cmd)
+        except (TransferError, HandshakeError, ValueError) as e:
+            self._command_failed(cmd, str(e))
+
+    def _dispatch(self, cmd: object) -> None:
+        if isinstance(cmd, Expect):
+            self.expected.add(cmd.transfer_id)
+        elif isinstance(cmd, Hold):
+            self._hold(cmd)
+        elif isinstance(cmd, Register):
+            self._register(cmd)
+        elif isinstance(cmd, Read):
+            self._read(cmd)
+        elif isinstance(cmd, SendNotif):
+            self._ensure_peer(cmd.peer)
+            self._send(cmd.peer.engine_id, cmd.message)
+        elif isinstance(cmd, Cancel):
+            self._cancel(cmd)
+        elif isinstance(cmd, AddPeer):
+            self._add_peer(cmd)
+
+    def _command_failed(self, cmd: object, reason: str) -> None:
+        log.warning("transfer command %s failed: %s", type(cmd).__name__, reason)
+        tid = getattr(cmd, "transfer_id", None)
+        if isinstance(cmd, AddPeer):
+            cmd.done.set_exception(TransferError(reason))
+        elif tid is not None:
+            rec = self.ledger.get(tid)
+            if rec is not None and not rec.is_terminal:
+                self._fail(rec, reason, tell_peer=True)
+            elif rec is None and isinstance(cmd, (Register, Read)):
+                self.emit(KVFailed(tid, cmd.request_id, reason))
+                self.emit(FreeBlocks(list(cmd.block_ids if isinstance(cmd, Register) else cmd.local_ids)))
+
+    # ---- peers ---------------------------------------------------------------------------
+    def _add_peer(self, cmd: AddPeer) -> None:
+        name = self.agent.add_peer(cmd.info.agent_metadata, KVGeometry.from_info(cmd.info))
+        self.peers[cmd.info.engine_id] = name
+        self.metrics.handshakes += 1
+        cmd.done.set_result(name)
+
+    def _ensure_peer(self, peer: PeerAddr) -> str:
+        name = self.peers.get(peer.engine_id)
+        if name is not None and self.agent.is_connected(name):
+            return name
+        try:
+            answer = side_request(peer.host, peer.port, pack(self.info, self.secret), self.handshake_timeout_s)
+            info = verify_and_decode(answer, self.secret, self.info.compat_hash,
+                                     expected_compat_summary=self.info.compat_summary,
+                                     expected_engine_id=peer.engine_id)
+        except HandshakeError:
+            self.metrics.handshake_failures += 1
+            raise
+        name = self.agent.add_peer(info.agent_metadata, KVGeometry.from_info(info))
+        self.peers[peer.engine_id] = name
+        self.metrics.handshakes += 1
+        return name
+
+    def _send(self, engine_id: str, msg: pr.Message) -> None:
+        name = self.peers.get(engine_id)
+        if name is None:
+            log.info("no connection to %s; %s not sent", engine_id, type(msg).__name__)
+            return
+        try:
+            self.agent.send_notif(name, pr.encode(msg))
+        except TransferError as e:
+            log.warning("notification to %s failed: %s", engine_id, e)
+
+    # ---- P side --------------------------------------------------------------------------
+    def _hold(self, cmd: Hold) -> None:
+        self.expected.discard(cmd.transfer_id)
+        self.first_tokens[cmd.transfer_id] = cmd.first_token_id
+        rec = self.ledger.on_prefill_done(cmd.transfer_id, cmd.request_id, cmd.block_ids, cmd.lease_deadline,
+                                          peer_engine_id=cmd.decode_engine_id, num_tokens=cmd.num_tokens)
+        try:
+            self._after_p_update(rec)
+        except TransferError as e:
+            self._fail(rec, str(e), tell_peer=True)
+
+    def _after_p_update(self, rec: TransferRecord | None) -> None:
+        if rec is None:
+            return
+        if rec.state is S.MATCHED:
+            self._post_write(rec)
+        elif rec.is_terminal and rec.has_local and rec.transfer_id not in self.posted:
+            self._free_p(rec)
+
+    def _post_write(self, rec: TransferRecord) -> None:
+        skip = rec.num_prefix_tokens // self.block_size
+        remote = list(rec.remote_block_ids)
+        local = list(rec.local_block_ids[skip : skip + len(remote)])
+        done = pr.encode(pr.Done(rec.transfer_id, self.first_tokens.get(rec.transfer_id)))
+        assert rec.peer_engine_id is not None
+        peer = self.peers.get(rec.peer_engine_id)
+        if peer is None:
+            raise TransferError(f"registration from {rec.peer_engine_id}, which never completed a handshake")
+        if len(local) < len(remote):
+            raise TransferError(f"D registered {len(remote)} blocks but P holds {len(local)} after the prefix")
+        transfer = self.agent.write(peer, local, remote, done)
+        self.ledger.mark_posted(rec.transfer_id, num_descs=transfer.num_descs, num_bytes=transfer.num_bytes)
+        self.posted[rec.transfer_id] = transfer
+
+    def _free_p(self, rec: TransferRecord) -> None:
+        self.first_tokens.pop(rec.transfer_id, None)
+        if rec.local_block_ids:
+            self.emit(FreeBlocks(list(rec.local_block_ids)))
+
+    # ---- D side --------------------------------------------------------------------------
+    def _register(self, cmd: Register) -> None:
+        self._ensure_peer(cmd.peer)
+        self.ledger.register(cmd.transfer_id, cmd.request_id, cmd.block_ids, cmd.deadline,
+                             peer_engine_id=cmd.peer.engine_id, num_tokens=cmd.num_tokens,
+                             num_prefix_tokens=cmd.num_prefix_tokens)
+        reg = pr.PushReg(cmd.transfer_id, self.info.engine_id, list(cmd.block_ids), cmd.num_prefix_tokens,
+                         cmd.num_tokens, cmd.deadline)
+        self._send(cmd.peer.engine_id, reg)
+
+    def _read(self, cmd: Read) -> None:
+        peer = self._ensure_peer(cmd.peer)
+        self.ledger.register(cmd.transfer_id, cmd.request_id, cmd.local_ids, cmd.deadline,
+                             peer_engine_id=cmd.peer.engine_id, remote_block_ids=cmd.remote_ids,
+                             num_tokens=cmd.num_tokens)
+        transfer = self.agent.read(peer, cmd.local_ids, cmd.remote_ids, pr.encode(pr.ReadDone(cmd.transfer_id)))
+        self.ledger.mark_posted(cmd.transfer_id, num_descs=transfer.num_descs, num_bytes=transfer.num_bytes)
+        self.posted[cmd.transfer_id] = transfer
+
+    def _cancel(self, cmd: Cancel) -> None:
+        self.expected.discard(cmd.transfer_id)
+        rec = self.ledger.get(cmd.transfer_id)
+        if rec is None:
+            if self.side is Side.PREFILL:  # aborted before D registered: answer its PushReg with Fail
+                self.cancelled[cmd.transfer_id] = cmd.reason
+                self._send_if_known(cmd.peer_engine_id, pr.Fail.create(cmd.transfer_id, cmd.reason))
+            return
+        if not rec.is_terminal:
+            self._fail(rec, cmd.reason, tell_peer=True)
+
+    def _send_if_known(self, engine_id: str | None, msg: pr.Message) -> None:
+        if engine_id is not None:
+            self._send(engine_id, msg)
+
+    # ---- completion ----------------------------------------------------------------------
+    def _poll_posted(self) -> bool:
+        progressed = False
+        for tid, transfer in list(self.posted.items()):
+            state = self.agent.poll(transfer)
+            if state is TransferState.POSTED:
+                continue
+            progressed = True
+            del self.posted[tid]
+            self.agent.release(transfer)
+            self._finished(tid, transfer, state)
+        return progressed
+
+    def _finished(self, tid: str, transfer: Transfer, state: TransferState) -> None:
+        rec = self.ledger.get(tid)
+        if rec is None:
+            return
+        if rec.is_terminal:  # aborted while in flight: now nothing is
+            if self.side is Side.PREFILL:
+                self._free_p(rec)
+                if rec.peer_engine_id:
+                    self._send(rec.peer_engine_id, pr.Fail.create(tid, "aborted; write ended"))
+            elif rec.is_quarantined:
+                self.ledger.confirm_nothing_in_flight(tid)
+            return
+        if state is TransferState.DONE:
+            self.metrics.observe(transfer)
+            rec = self.ledger.mark_done(tid)
+            if self.side is Side.PREFILL:
+                self._free_p(rec)
+            else:
+                self.emit(KVReady(tid, rec.request_id or "", None))
+        else:
+            self._fail(rec, transfer.error or "transfer failed", tell_peer=True, confirmed=True)
+
+    def _fail(self, rec: TransferRecord, reason: str, tell_peer: bool, confirmed: bool = False) -> None:
+        in_flight = rec.transfer_id in self.posted
+        rec = self.ledger.mark_failed(rec.transfer_id, reason, confirmed=confirmed and not in_flight)
+        if tell_peer and rec.peer_engine_id:
+            msg = pr.Fail.create(rec.transfer_id, reason) if self.side is Side.PREFILL else pr.Abort(rec.transfer_id)
+            self._send(rec.peer_engine_id, msg)
+        self._terminal(rec)
+
+    def _terminal(self, rec: TransferRecord) -> None:
+        """A record just became FAILED or EXPIRED (not DONE)."""
+        if self.side is Side.PREFILL:
+            if rec.has_local and rec.transfer_id not in self.posted:
+                self._free_p(rec)
+        else:
+            self.emit(KVFailed(rec.transfer_id, rec.request_id or "", rec.error or "transfer failed"))
+
+    # ---- notifications -------------------------------------------------------------------
+    def _poll_notifs(self) -> bool:
+        notifs = self.agent.get_notifs()
+        for peer_name, data in notifs:
+            self._on_notif(peer_name, data)
+        return bool(notifs)
+
+    def _on_notif(self, peer_name: str, data: bytes) -> None:
+        try:
+            msg = pr.decode(data)
+        except pr.ProtocolError as e:
+            self.metrics.bad_messages += 1
+            if self.metrics.bad_messages == 1:
+                log.warning("bad control message from %s: %s", peer_name, e)
+            return
+        engine_id = self._engine_of(peer_name)
+        if isinstance(msg, pr.PushReg) and msg.transfer_id in self.cancelled:
+            self._send(engine_id, pr.Fail.create(msg.transfer_id, self.cancelled.pop(msg.transfer_id)))
+            return
+        before = self.ledger.get(msg.transfer_id)
+        rec = self.ledger.on_notification(msg, engine_id)
+        if rec is None:
+            return
+        if self.side is Side.PREFILL:
+            if isinstance(msg, pr.Abort) and rec.transfer_id not in self.posted:
+                self._send(engine_id, pr.Fail.create(rec.transfer_id, "aborted by decode"))  # ack: nothing in flight
+            try:
+                self._after_p_update(rec)
+            except TransferError as e:
+                self._fail(rec, str(e), tell_peer=True)
+        elif rec.state is S.DONE:
+            self.emit(KVReady(rec.transfer_id, rec.request_id or "", getattr(msg, "first_token_id", None)))
+        elif rec.is_terminal and (before is None or not before.is_terminal):
+            self._terminal(rec)
+
+    def _engine_of(self, peer_name: str) -> str:
+        for engine_id, name in self.peers.items():
+            if name == peer_name:
+                return engine_id
+        return peer_name
+
+    # ---- timers --------------------------------------------------------------------------
+    def _housekeeping(self) -> None:
+        now = time.monotonic()
+        if now - self._last_housekeeping < HOUSEKEEPING_S:
+            return
+        self._last_housekeeping = now
+        for rec in self.ledger.expire():
+            self._expired(rec)
+        if self.side is Side.DECODE:
+            freed = self.ledger.release_quarantine()
+            if freed:
+                self.emit(FreeBlocks(freed))
+        self.ledger.gc()
+
+    def _expired(self, rec: TransferRecord) -> None:
+        if rec.peer_engine_id:
+            msg = pr.Fail.create(rec.transfer_id, "lease expired") if self.side is Side.PREFILL \
+                else pr.Abort(rec.transfer_id)
+            self._send(rec.peer_engine_id, msg)
+        self._terminal(rec)
+
+    def stats(self):
+        return self.metrics.snapshot(self.ledger)
