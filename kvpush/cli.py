@@ -12,9 +12,11 @@ from dataclasses import fields
 from kvpush.config import (
     CacheConfig,
     EngineConfig,
+    FirstToken,
     KVMode,
     ModelConfig,
     OnKVFailure,
+    ProxyConfig,
     Role,
     SchedulerConfig,
     ServerConfig,
@@ -108,6 +110,56 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_proxy_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default=_default(ProxyConfig, "host"))
+    p.add_argument("--port", type=int, default=_default(ProxyConfig, "port"))
+    p.add_argument("--kv-mode", default=_default(ProxyConfig, "kv_mode").value, choices=[m.value for m in KVMode])
+    p.add_argument("--first-token", default=_default(ProxyConfig, "first_token").value,
+                   choices=[m.value for m in FirstToken],
+                   help="D recomputes the last prompt position, or uses the token P sampled")
+    p.add_argument("--policy", default=_default(ProxyConfig, "policy"), choices=["round-robin", "least-loaded"])
+    p.add_argument("--api-key", default=None)
+
+
+def cmd_proxy(args: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+
+    from kvpush.server.proxy import serve_proxy
+
+    if not args.prefill or not args.decode:
+        raise SystemExit("kvpush proxy: give at least one --prefill URL and one --decode URL")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    config = ProxyConfig(prefill_urls=tuple(args.prefill), decode_urls=tuple(args.decode), host=args.host,
+                         port=args.port, kv_mode=KVMode(args.kv_mode), first_token=FirstToken(args.first_token),
+                         policy=args.policy, api_key=args.api_key)
+    asyncio.run(serve_proxy(config))
+    return 0
+
+
+def cmd_up(args: argparse.Namespace, serve_args: list[str]) -> int:
+    from kvpush.server.up import run_up
+
+    if args.prefill < 1 or args.decode < 1:
+        raise SystemExit("kvpush up: --prefill and --decode must be at least 1")
+    proxy_args = ["--first-token", args.first_token, "--policy", args.policy]
+    return run_up(args.model, args.prefill, args.decode, args.kv_mode, args.port, serve_args, proxy_args)
+
+
+def up_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvpush up", description="start a local xPyD deployment plus proxy; "
+                                "other flags are passed to every `kvpush serve`")
+    p.add_argument("model")
+    p.add_argument("--prefill", type=int, default=1)
+    p.add_argument("--decode", type=int, default=1)
+    p.add_argument("--kv-mode", default=_default(ProxyConfig, "kv_mode").value, choices=[m.value for m in KVMode])
+    p.add_argument("--port", type=int, default=_default(ProxyConfig, "port"))
+    p.add_argument("--first-token", default=_default(ProxyConfig, "first_token").value,
+                   choices=[m.value for m in FirstToken])
+    p.add_argument("--policy", default=_default(ProxyConfig, "policy"), choices=["round-robin", "least-loaded"])
+    return p
+
+
 def cmd_make_model(args: argparse.Namespace) -> int:
     from kvpush.models.make_model import make_model
 
@@ -131,6 +183,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_server_arguments(p)
     add_transfer_arguments(p)
     p.set_defaults(func=cmd_serve)
+    p = sub.add_parser("proxy", help="route requests over prefill and decode instances")
+    p.add_argument("--prefill", nargs="+", default=[], metavar="URL")
+    p.add_argument("--decode", nargs="+", default=[], metavar="URL")
+    add_proxy_arguments(p)
+    p.set_defaults(func=cmd_proxy)
+    sub.add_parser("up", help="start a local xPyD deployment (see `kvpush up --help`)", add_help=False)
     p = sub.add_parser("make-model", help="write a random-weight Qwen3 checkpoint")
     p.add_argument("out")
     p.add_argument("--preset", choices=PRESETS, default="tiny")
@@ -159,6 +217,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:2] == ["bench", "compare"]:
         return _compare(argv[2:])
+    if argv[:1] == ["up"]:
+        up_args, serve_args = up_parser().parse_known_args(argv[1:])
+        return cmd_up(up_args, serve_args)
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)

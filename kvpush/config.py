@@ -87,6 +87,20 @@ class TransferConfig:
     on_kv_failure: OnKVFailure = OnKVFailure.ERROR
 
 
+@dataclass(frozen=True)
+class ProxyConfig:
+    prefill_urls: tuple[str, ...] = ()
+    decode_urls: tuple[str, ...] = ()
+    host: str = "127.0.0.1"
+    port: int = 8000
+    kv_mode: KVMode = KVMode.PUSH
+    first_token: FirstToken = FirstToken.RECOMPUTE
+    policy: str = "round-robin"  # round-robin | least-loaded
+    api_key: str | None = None
+    request_timeout_s: float = 600.0
+    probe_interval_s: float = 1.0
+
+
 def env_str(name: str, default: str | None = None) -> str | None:
     return os.environ.get(name, default)
 

@@ -6,6 +6,7 @@ in its own process group, so that stopping it also stops the engine-core process
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
@@ -46,7 +47,8 @@ class ServerProcess:
             self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
             out = self._log
         self.proc = subprocess.Popen([sys.executable, "-m", "kvpush.cli", *self.argv], env=self.env,
-                                     stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+                                     stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                     preexec_fn=_die_with_parent)
         return self
 
     def wait_healthy(self, timeout_s: float = 120.0) -> None:
@@ -107,6 +109,14 @@ class ServerProcess:
                 line = raw.decode().strip()
                 if line.startswith("data: ") and line != "data: [DONE]":
                     yield json.loads(line[6:])["choices"][0]["text"]
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: get SIGTERM when the parent dies (Linux), so no orphan survives."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
 
 
 def _signal_group(pgid: int, sig: int) -> None:

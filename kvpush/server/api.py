@@ -23,6 +23,7 @@ from kvpush.errors import InvalidRequestError
 from kvpush.server import responses as R
 from kvpush.server.engine_client import EngineClient
 from kvpush.server.generation import EngineRequestError, Generator, GenEvent, GenState
+from kvpush.server.messages import KVInfo
 from kvpush.server.metrics import ServerMetrics
 from kvpush.server.openai_protocol import ChatCompletionRequest, CompletionRequest, parse_body
 from kvpush.tokenizer import Tokenizer
@@ -92,9 +93,8 @@ class OpenAIServer:
         if info is None:
             return self._error(503, "engine is not running")
         host, _, port = (info.kv_address or ":0").rpartition(":")
-        return R.json_response({"engine_id": info.engine_id, "role": info.role, "kv_mode": info.kv_mode,
-                                "kv_host": host or None, "kv_port": int(port) or None,
-                                "block_size": info.block_size, "max_model_len": info.max_model_len})
+        return R.json_response(KVInfo(info.engine_id, info.role, info.kv_mode, host or None, int(port) or None,
+                                      info.block_size, info.max_model_len))
 
     async def models(self, request: web.Request) -> web.Response:
         info = self.engine.info

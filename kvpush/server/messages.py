@@ -76,6 +76,18 @@ class CoreReady(msgspec.Struct, tag=True):
     kv_mode: str | None = None
 
 
+class KVInfo(msgspec.Struct):
+    """GET /v1/kv_info: what the proxy needs to pair an instance with its peers."""
+
+    engine_id: str
+    role: str
+    kv_mode: str | None
+    kv_host: str | None
+    kv_port: int | None
+    block_size: int
+    max_model_len: int
+
+
 class CoreFailed(msgspec.Struct, tag=True):
     reason: str
 

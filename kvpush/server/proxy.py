@@ -1,0 +1,339 @@
+"""`kvpush proxy`: the front door of an xPyD deployment.
+
+Per request:  pick a P and a D (round-robin or least-loaded among healthy instances), mint a
+transfer_id, then
+    push: dispatch both legs at once (P: max_tokens=1 + PrefillLegParams; D: the request +
+          DecodeLegParams naming P); stream D's answer back.
+    pull: send P's leg, wait for its PrefillResult, forward it to D (DecodeLegParams with P's
+          block ids); stream D's answer back.
+If a leg fails, the client gets that leg's error (OpenAI error JSON) and the other leg is
+cancelled; a client that disconnects cancels both legs (their instances abort the requests).
+Instances are re-probed (GET /v1/kv_info) every second: a restarted instance rejoins with its
+new engine id; an unreachable one is skipped until it answers again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+
+import aiohttp
+import msgspec
+from aiohttp import web
+
+from kvpush.config import FirstToken, KVMode, ProxyConfig
+from kvpush.server import responses as R
+from kvpush.server.messages import KVInfo
+from kvpush.server.proxy_metrics import ProxyMetrics
+from kvpush.transfer import protocol as pr
+
+log = logging.getLogger("kvpush.proxy")
+ROUTES = ("/v1/completions", "/v1/chat/completions")
+_kv_info_decoder = msgspec.json.Decoder(KVInfo)
+
+
+@dataclass
+class Instance:
+    url: str
+    role: str
+    engine_id: str = ""
+    kv_host: str | None = None
+    kv_port: int | None = None
+    kv_mode: str | None = None
+    healthy: bool = False
+    in_flight: int = 0
+    served: int = 0
+
+
+class LegError(Exception):
+    """One leg answered with an error; carries the status and body to give the client."""
+
+    def __init__(self, status: int, body: bytes) -> None:
+        super().__init__(f"leg failed with {status}")
+        self.status = status
+        self.body = body
+
+
+@dataclass
+class Dispatch:
+    prefill: Instance
+    decode: Instance
+    transfer_id: str
+    trace: dict[str, float] = field(default_factory=dict)
+
+
+class Proxy:
+    def __init__(self, config: ProxyConfig) -> None:
+        self.config = config
+        self.prefills = [Instance(u.rstrip("/"), "prefill") for u in config.prefill_urls]
+        self.decodes = [Instance(u.rstrip("/"), "decode") for u in config.decode_urls]
+        self._rr = {"prefill": itertools.count(), "decode": itertools.count()}
+        self.metrics = ProxyMetrics()
+        self.session: aiohttp.ClientSession | None = None
+        self._prober: asyncio.Task | None = None
+
+    # ---- lifecycle -----------------------------------------------------------------------
+    async def start(self, wait_s: float = 120.0) -> None:
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=self.config.request_timeout_s)
+        self.session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0))
+        deadline = time.monotonic() + wait_s
+        while not self._ready() and time.monotonic() < deadline:
+            await self.probe_all()
+            if not self._ready():
+                await asyncio.sleep(0.5)
+        self._prober = asyncio.create_task(self._probe_loop())
+
+    def _ready(self) -> bool:
+        return any(i.healthy for i in self.prefills) and any(i.healthy for i in self.decodes)
+
+    async def close(self) -> None:
+        if self._prober is not None:
+            self._prober.cancel()
+        if self.session is not None:
+            await self.session.close()
+
+    async def _probe_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.probe_interval_s)
+            await self.probe_all()
+
+    async def probe_all(self) -> None:
+        await asyncio.gather(*(self._probe(i) for i in self.prefills + self.decodes))
+
+    async def _probe(self, inst: Instance) -> None:
+        assert self.session is not None
+        info: KVInfo | None = None
+        try:
+            async with self.session.get(inst.url + "/v1/kv_info", timeout=aiohttp.ClientTimeout(total=2)) as r:
+                if r.status == 200:
+                    info = _kv_info_decoder.decode(await r.read())
+        except (TimeoutError, aiohttp.ClientError, msgspec.DecodeError):
+            info = None
+        if info is None or info.role != inst.role or info.kv_mode != self.config.kv_mode.value:
+            if info is not None and inst.healthy:
+                log.warning("%s is %s/%s, expected %s/%s", inst.url, info.role, info.kv_mode, inst.role,
+                            self.config.kv_mode.value)
+            inst.healthy = False
+            return
+        if inst.engine_id and info.engine_id != inst.engine_id:
+            log.info("%s restarted: engine %s -> %s", inst.url, inst.engine_id, info.engine_id)
+        inst.healthy = True
+        inst.engine_id, inst.kv_host, inst.kv_port, inst.kv_mode = (info.engine_id, info.kv_host, info.kv_port,
+                                                                    info.kv_mode)
+
+    # ---- choosing ------------------------------------------------------------------------
+    def pick(self, pool: list[Instance], role: str) -> Instance:
+        healthy = [i for i in pool if i.healthy]
+        if not healthy:
+            raise web.HTTPServiceUnavailable(reason=f"no healthy {role} instance")
+        if self.config.policy == "least-loaded":
+            return min(healthy, key=lambda i: (i.in_flight, i.served))
+        return healthy[next(self._rr[role]) % len(healthy)]
+
+    # ---- HTTP ----------------------------------------------------------------------------
+    def build_app(self) -> web.Application:
+        app = web.Application(middlewares=[self.error_middleware], client_max_size=8 << 20)
+        for route in ROUTES:
+            app.router.add_post(route, self.handle)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics_endpoint)
+        return app
+
+    @web.middleware
+    async def error_middleware(self, request: web.Request, handler) -> web.StreamResponse:
+        key = self.config.api_key
+        if key and request.path.startswith("/v1/") and request.headers.get("Authorization") != f"Bearer {key}":
+            return R.error_response(401, "invalid or missing API key")
+        try:
+            return await handler(request)
+        except LegError as e:
+            self.metrics.requests.labels(status=str(e.status)).inc()
+            return web.Response(body=e.body, status=e.status, content_type="application/json")
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            self.metrics.requests.labels(status=str(e.status)).inc()
+            return R.error_response(e.status, e.reason or "error")
+
+    async def health(self, request: web.Request) -> web.Response:
+        if not self._ready():
+            return R.error_response(503, "no healthy prefill or decode instance")
+        return web.Response(text="ok")
+
+    async def models(self, request: web.Request) -> web.Response:
+        inst = self.pick(self.decodes, "decode")
+        assert self.session is not None
+        async with self.session.get(inst.url + "/v1/models") as r:
+            return web.Response(body=await r.read(), status=r.status, content_type="application/json")
+
+    async def metrics_endpoint(self, request: web.Request) -> web.Response:
+        self.metrics.update_instances(self.prefills + self.decodes)
+        return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        body = _parse_body(await request.read())
+        d = Dispatch(self.pick(self.prefills, "prefill"), self.pick(self.decodes, "decode"), pr.new_transfer_id())
+        d.trace["dispatched"] = time.time()
+        d.prefill.in_flight += 1
+        d.decode.in_flight += 1
+        try:
+            if self.config.kv_mode is KVMode.PUSH:
+                return await self._push(request, body, d)
+            return await self._pull(request, body, d)
+        finally:
+            d.prefill.in_flight -= 1
+            d.decode.in_flight -= 1
+            d.prefill.served += 1
+            d.decode.served += 1
+
+    # ---- the two flows -------------------------------------------------------------------
+    async def _push(self, request: web.Request, body: dict, d: Dispatch) -> web.StreamResponse:
+        p_params = pr.PrefillLegParams(transfer_id=d.transfer_id, mode=KVMode.PUSH,
+                                       decode_engine_id=d.decode.engine_id)
+        d_params = self._decode_params(d, None)
+        p_task = asyncio.create_task(self._prefill_leg(request.path, body, p_params, d))
+        d_task = asyncio.create_task(self._open_decode(request.path, body, d_params, d))
+        try:
+            done, _ = await asyncio.wait({p_task, d_task}, return_when=asyncio.FIRST_EXCEPTION)
+            for t in done:
+                t.result()  # a failed leg raises here; the other is cancelled in finally
+            await p_task
+            d_resp = await d_task
+        except BaseException:
+            await _cancel(p_task, d_task)
+            raise
+        return await self._relay(request, d_resp, d)
+
+    async def _pull(self, request: web.Request, body: dict, d: Dispatch) -> web.StreamResponse:
+        p_params = pr.PrefillLegParams(transfer_id=d.transfer_id, mode=KVMode.PULL)
+        result = await self._prefill_leg(request.path, body, p_params, d)
+        d_resp = await self._open_decode(request.path, body, self._decode_params(d, result), d)
+        return await self._relay(request, d_resp, d)
+
+    def _decode_params(self, d: Dispatch, result: pr.PrefillResult | None) -> pr.DecodeLegParams:
+        first: FirstToken = self.config.first_token
+        if result is not None:
+            return result.to_decode_leg(first)
+        p = d.prefill
+        assert p.kv_host is not None and p.kv_port is not None
+        return pr.DecodeLegParams(transfer_id=d.transfer_id, mode=KVMode.PUSH, prefill_engine_id=p.engine_id,
+                                  prefill_kv_host=p.kv_host, prefill_kv_port=p.kv_port, first_token=first)
+
+    async def _prefill_leg(self, path: str, body: dict, params: pr.PrefillLegParams, d: Dispatch) -> pr.PrefillResult:
+        assert self.session is not None
+        leg = prefill_body(body, pr.params_to_dict(params))
+        async with self.session.post(d.prefill.url + path, json=leg) as r:
+            data = await r.read()
+            if r.status != 200:
+                raise LegError(r.status, data)
+        d.trace["p_done"] = time.time()
+        try:
+            kv = json.loads(data)["choices"][0]["kv_transfer_params"]
+            return pr.params_from_dict(kv, pr.PrefillResult)
+        except (KeyError, IndexError, TypeError, ValueError, pr.ProtocolError) as e:
+            raise LegError(502, json.dumps(R.error_body(502, f"prefill answered without KV params: {e}")).encode()) from e
+
+    async def _open_decode(self, path: str, body: dict, params: pr.DecodeLegParams,
+                           d: Dispatch) -> aiohttp.ClientResponse:
+        assert self.session is not None
+        leg = dict(body, kv_transfer_params=pr.params_to_dict(params))
+        resp = await self.session.post(d.decode.url + path, json=leg)
+        if resp.status != 200:
+            data = await resp.read()
+            resp.release()
+            raise LegError(resp.status, data)
+        return resp
+
+    async def _relay(self, request: web.Request, d_resp: aiohttp.ClientResponse, d: Dispatch) -> web.StreamResponse:
+        """Copy D's answer to the client; merge the proxy's timestamps into kvpush_trace."""
+        complete = False
+        try:
+            if not d_resp.content_type.startswith("text/event-stream"):
+                data = _merge_trace_json(await d_resp.read(), d.trace)
+                complete = True
+                self.metrics.requests.labels(status="200").inc()
+                return web.Response(body=data, status=200, content_type="application/json")
+            out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+            await out.prepare(request)
+            async for line in d_resp.content:
+                if b'"kvpush_trace"' in line:
+                    line = _merge_trace_line(line, d.trace)
+                await out.write(line)
+            complete = True
+            await out.write_eof()
+            self.metrics.requests.labels(status="200").inc()
+            return out
+        finally:
+            if complete:
+                d_resp.release()
+            else:
+                d_resp.close()  # the client left or the stream broke: D sees the disconnect and aborts
+
+
+def prefill_body(body: dict, kv_params: dict) -> dict:
+    """P's leg: the same request, one token, no streaming or logprobs."""
+    leg = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "logprobs", "top_logprobs",
+                                                      "min_tokens", "max_completion_tokens")}
+    leg.update(max_tokens=1, stream=False, kv_transfer_params=kv_params)
+    return leg
+
+
+def _parse_body(raw: bytes) -> dict:
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise web.HTTPBadRequest(reason=f"malformed JSON body: {e}") from e
+    if not isinstance(body, dict):
+        raise web.HTTPBadRequest(reason="the request body must be a JSON object")
+    if "kv_transfer_params" in body:
+        raise web.HTTPBadRequest(reason="kv_transfer_params is set by the proxy, not by clients")
+    return body
+
+
+def _merge_trace_json(data: bytes, trace: dict[str, float]) -> bytes:
+    try:
+        obj = json.loads(data)
+        for choice in obj.get("choices", []):
+            if isinstance(choice.get("kvpush_trace"), dict):
+                choice["kvpush_trace"].update(trace)
+        return json.dumps(obj).encode()
+    except (json.JSONDecodeError, AttributeError):
+        return data
+
+
+def _merge_trace_line(line: bytes, trace: dict[str, float]) -> bytes:
+    if not line.startswith(b"data: "):
+        return line
+    return b"data: " + _merge_trace_json(line[6:].strip(), trace) + b"\n"
+
+
+async def _cancel(*tasks: asyncio.Task) -> None:
+    for t in tasks:
+        t.cancel()
+    for t in tasks:
+        try:
+            resp = await t
+            if isinstance(resp, aiohttp.ClientResponse):
+                resp.close()
+        except (TimeoutError, asyncio.CancelledError, LegError, aiohttp.ClientError):
+            pass  # the failure that made us cancel is reported by the caller
+
+
+async def serve_proxy(config: ProxyConfig) -> None:
+    from kvpush.server.serve import start_http, wait_for_signal
+
+    proxy = Proxy(config)
+    await proxy.start()
+    runner = await start_http(proxy.build_app(), config.host, config.port)
+    print(f"kvpush: proxy ({config.kv_mode.value}) on http://{config.host}:{config.port} -> "
+          f"{len(proxy.prefills)} prefill, {len(proxy.decodes)} decode", flush=True)
+    try:
+        await wait_for_signal()
+    finally:
+        await runner.cleanup()
+        await proxy.close()

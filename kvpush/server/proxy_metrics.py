@@ -1,0 +1,26 @@
+"""Prometheus metrics of the proxy."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+
+class ProxyMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("kvpush_proxy_requests", "Requests answered, by HTTP status", ["status"], registry=r)
+        self.healthy = Gauge("kvpush_proxy_instance_healthy", "1 if the instance answers its probes",
+                             ["role", "url"], registry=r)
+        self.in_flight = Gauge("kvpush_proxy_instance_in_flight", "Requests in flight per instance",
+                               ["role", "url"], registry=r)
+        self.served = Gauge("kvpush_proxy_instance_served", "Requests dispatched per instance",
+                            ["role", "url"], registry=r)
+
+    def update_instances(self, instances) -> None:
+        for i in instances:
+            self.healthy.labels(role=i.role, url=i.url).set(1 if i.healthy else 0)
+            self.in_flight.labels(role=i.role, url=i.url).set(i.in_flight)
+            self.served.labels(role=i.role, url=i.url).set(i.served)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

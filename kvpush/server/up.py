@@ -1,0 +1,87 @@
+"""`kvpush up`: a local xPyD deployment (N prefill, M decode, one proxy) as child processes.
+
+    STARTING (instances started, then waited for; then the proxy) -> UP (proxy URL printed)
+    -> STOPPING (Ctrl-C / SIGTERM, or a child died: proxy first, then every instance, each with
+       its engine core; SIGKILL for what does not stop in time) -> exit
+Children run in their own process groups and get SIGTERM if `kvpush up` itself dies.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import tempfile
+import threading
+
+from kvpush.launch import ServerProcess, free_port
+
+
+class Deployment:
+    def __init__(self, model: str, num_prefill: int, num_decode: int, kv_mode: str, port: int,
+                 serve_args: list[str], proxy_args: list[str], log_dir: str | None = None) -> None:
+        self.log_dir = log_dir or tempfile.mkdtemp(prefix="kvpush-up-")
+        self.instances: list[ServerProcess] = []
+        urls: dict[str, list[str]] = {"prefill": [], "decode": []}
+        for role, n in (("prefill", num_prefill), ("decode", num_decode)):
+            for i in range(n):
+                argv = ["serve", model, "--port", str(free_port()), "--role", role, "--kv-mode", kv_mode, *serve_args]
+                server = ServerProcess(argv, log_path=os.path.join(self.log_dir, f"{role}-{i}.log"))
+                self.instances.append(server)
+                urls[role].append(server.url)
+        proxy_argv = ["proxy", "--port", str(port), "--kv-mode", kv_mode, "--prefill", *urls["prefill"],
+                      "--decode", *urls["decode"], *proxy_args]
+        self.proxy = ServerProcess(proxy_argv, log_path=os.path.join(self.log_dir, "proxy.log"))
+
+    @property
+    def url(self) -> str:
+        return self.proxy.url
+
+    def start(self, timeout_s: float = 300.0) -> Deployment:
+        try:
+            for s in self.instances:
+                s.start()
+            for s in self.instances:
+                s.wait_healthy(timeout_s)
+            self.proxy.start()
+            self.proxy.wait_healthy(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        self.proxy.stop()
+        for s in self.instances:
+            s.stop()
+
+    def alive(self) -> bool:
+        return all(s.proc is not None and s.proc.poll() is None for s in [self.proxy, *self.instances])
+
+    def __enter__(self) -> Deployment:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def run_up(model: str, num_prefill: int, num_decode: int, kv_mode: str, port: int, serve_args: list[str],
+           proxy_args: list[str]) -> int:
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    dep = Deployment(model, num_prefill, num_decode, kv_mode, port, serve_args, proxy_args)
+    print(f"kvpush up: starting {num_prefill}P{num_decode}D ({kv_mode}); logs in {dep.log_dir}", flush=True)
+    dep.start()
+    print(f"kvpush up: ready: {dep.url}", flush=True)
+    code = 0
+    try:
+        while not stop.wait(1.0):
+            if not dep.alive():
+                print("kvpush up: a child process exited; stopping the deployment", file=sys.stderr)
+                code = 1
+                break
+    finally:
+        dep.stop()
+        print("kvpush up: stopped", flush=True)
+    return code
