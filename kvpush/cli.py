@@ -26,6 +26,7 @@ from kvpush.config import (
 from kvpush.errors import KVPushError
 
 PRESETS = ("tiny", "small", "bench")
+FAULTS = ("corrupt-kv",)
 
 
 def _default(cls, name: str):
@@ -93,6 +94,8 @@ def add_transfer_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-timeout-s", type=float, default=_default(TransferConfig, "kv_timeout_s"))
     g.add_argument("--on-kv-failure", default=_default(TransferConfig, "on_kv_failure").value,
                    choices=[m.value for m in OnKVFailure])
+    g.add_argument("--fault-inject", action="append", default=[], choices=list(FAULTS),
+                   help="testing only: inject a fault (repeatable)")
 
 
 def transfer_config_from_args(args: argparse.Namespace) -> TransferConfig:
@@ -100,7 +103,7 @@ def transfer_config_from_args(args: argparse.Namespace) -> TransferConfig:
         raise SystemExit("kvpush: --kv-lease-s and --kv-timeout-s must be positive")
     return TransferConfig(kv_mode=KVMode(args.kv_mode), kv_port=args.kv_port, kv_host=args.kv_host,
                           kv_secret=args.kv_secret, kv_lease_s=args.kv_lease_s, kv_timeout_s=args.kv_timeout_s,
-                          on_kv_failure=OnKVFailure(args.on_kv_failure))
+                          on_kv_failure=OnKVFailure(args.on_kv_failure), fault_inject=tuple(args.fault_inject))
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -85,6 +85,8 @@ class TransferConfig:
     kv_lease_s: float = 30.0
     kv_timeout_s: float = 30.0
     on_kv_failure: OnKVFailure = OnKVFailure.ERROR
+    # Fault injection for tests, off unless named: "corrupt-kv" (D perturbs the first received block).
+    fault_inject: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -134,17 +134,22 @@ class LLMEngine:
         polled = self.connector.poll() if self.connector is not None else []
         out = self.scheduler.schedule(self.admission_hook())
         outputs, self.finished = self.finished, []
-        outputs += [self._output(r, r.output_token_ids[-1:] if r.output_token_ids else []) for r in polled]
+        outputs += [self._last_output(r) for r in polled]
         if out.empty:
             return outputs
         sampled = self.runner.execute(out.scheduled)
         self.step_count += 1
         for request in self.scheduler.update(out, sampled):
             self.on_token(request)
-            n_lp = 1 if request.sampling_params.logprobs is not None else 0
-            outputs.append(self._output(request, request.output_token_ids[-1:], request.output_logprobs[-n_lp:]
-                                        if n_lp else []))
+            outputs.append(self._last_output(request))
         return outputs
+
+    def _last_output(self, request: Request) -> EngineOutput:
+        """The output of a request that just got its newest token (or ended without one)."""
+        if not request.output_token_ids:
+            return self._output(request, [])
+        want_lp = request.sampling_params.logprobs is not None and request.output_logprobs
+        return self._output(request, request.output_token_ids[-1:], request.output_logprobs[-1:] if want_lp else [])
 
     def admission_hook(self):
         """The connector decides per waiting request whether it may be admitted now."""

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 
 from kvpush.config import FirstToken, KVMode, OnKVFailure, TransferConfig
-from kvpush.engine.request import Request, RequestStatus
+from kvpush.engine.request import Request, RequestStatus, TokenLogprob
 from kvpush.errors import InvalidRequestError
 from kvpush.transfer import protocol as pr
 from kvpush.transfer.base import KVConnector
@@ -86,9 +86,8 @@ class DecodeConnector(KVConnector):
         bm, bs, n = self.engine.block_manager, self.engine.block_manager.block_size, request.num_prompt_tokens
         st.need_len = n if self._from_prefill(st) else n - 1
         hits = bm.find_cached_prefix_tokens(request.prompt_token_ids[: st.need_len])
-        if st.params.mode is KVMode.PUSH and len(hits) * bs == st.need_len and st.need_len == n:
-            st.need_len = n - 1  # a full hit leaves nothing to push: recompute the last position instead
-            hits = hits[: st.need_len // bs]
+        if st.params.mode is KVMode.PUSH and st.need_len == n:
+            hits = hits[: (n - 1) // bs]  # P's first token rides on Done: leave at least one block to push
         if not bm.allocate(request, n - len(hits) * bs, hits):
             return False
         st.admitted = True
@@ -118,11 +117,11 @@ class DecodeConnector(KVConnector):
         self.runtime.worker.submit(cmd)
 
     def _nothing_to_receive(self, request: Request, st: DecodeState) -> None:
-        """D's prefix cache holds every block it needs: P may free its copy; run at once."""
+        """D's prefix cache holds every block it needs: P may free its copy. The request becomes ready
+        through the same event as a finished transfer (so a first token from P is emitted as output)."""
         self.runtime.worker.submit(SendNotif(st.peer, pr.Release(st.params.transfer_id)))
-        request.num_computed_tokens = st.need_len
-        if st.need_len == request.num_prompt_tokens:  # pull, first token from prefill: P's token is known
-            self._append_first(request, st.params.first_token_id)
+        self.engine.scheduler.park_remote(request)
+        self.runtime.post(KVReady(st.params.transfer_id, request.request_id, st.params.first_token_id))
 
     # ---- events --------------------------------------------------------------------------
     def poll(self) -> list[Request]:
@@ -153,6 +152,8 @@ class DecodeConnector(KVConnector):
         request, st = found
         st.pending = False
         request.trace["kv_ready"] = time.time()
+        if "corrupt-kv" in self.config.fault_inject:
+            self.engine.cache.kv[st.transfer_blocks[0]].add_(1.0)  # testing only: wrong KV must change output
         request.num_computed_tokens = st.need_len
         scheduler = self.engine.scheduler
         if st.need_len == request.num_prompt_tokens:
@@ -169,6 +170,8 @@ class DecodeConnector(KVConnector):
     def _append_first(self, request: Request, token: int | None) -> None:
         assert token is not None
         request.output_token_ids.append(token)
+        if request.sampling_params.logprobs is not None:  # P's logits stayed on P
+            request.output_logprobs.append(TokenLogprob(token, float("nan"), []))
         self.engine.on_token(request)
         status = self.engine.scheduler.check_stop(request)
         if status is not None:

@@ -70,6 +70,10 @@ class TransferRuntime:
         self.events.put(event)
         self._wake()
 
+    def post(self, event: Event) -> None:
+        """The engine thread queues an event for its own next poll."""
+        self.events.put(event)
+
     def drain_events(self) -> list[Event]:
         out: list[Event] = []
         try:

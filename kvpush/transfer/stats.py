@@ -29,7 +29,9 @@ class Histogram(msgspec.Struct):
 
 
 class TransferStats(msgspec.Struct):
-    """What /metrics shows about KV transfers. `by_state` counts ledger records (tombstones included)."""
+    """What /metrics shows about KV transfers. `by_state` counts ledger records (tombstones included).
+    Bytes and transfers count completed transfers this instance took part in (written, read or
+    received); the time and descriptor histograms cover the transfers this instance posted."""
 
     by_state: dict[str, int] = {}
     bytes_total: int = 0
@@ -66,6 +68,11 @@ class TransferMetrics:
         self.time_s.observe(max(finished - transfer.posted_at, 0.0))
         self.descs.observe(float(transfer.num_descs))
         self.bytes_total += transfer.num_bytes
+        self.transfers_total += 1
+
+    def received(self, num_bytes: int) -> None:
+        """D (push): P's WRITE into our blocks completed (P timed it; we count the bytes)."""
+        self.bytes_total += num_bytes
         self.transfers_total += 1
 
     def snapshot(self, ledger: TransferLedger) -> TransferStats:

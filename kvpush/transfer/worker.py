@@ -365,6 +365,8 @@ class TransferWorker(threading.Thread):
             except TransferError as e:
                 self._fail(rec, str(e), tell_peer=True)
         elif rec.state is S.DONE:
+            geometry = self.agent.geometry
+            self.metrics.received(len(rec.local_block_ids) * (geometry.block_bytes if geometry else 0))
             self.emit(KVReady(rec.transfer_id, rec.request_id or "", getattr(msg, "first_token_id", None)))
         elif rec.is_terminal and (before is None or not before.is_terminal):
             self._terminal(rec)

@@ -1,0 +1,213 @@
+"""1P1D and 2P2D over real servers and real NIXL: outputs equal the colocated engine's, token for token.
+
+One prefill and one decode instance per KV mode, with two proxies each (first token recomputed by
+D, or taken from P), so every mode x first-token combination runs against the same instances.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+import pytest
+
+from kvpush.launch import ServerProcess, free_port
+
+pytestmark = pytest.mark.integration
+BS = 8
+SERVE = ["--block-size", str(BS), "--num-blocks", "512", "--torch-threads", "1"]
+MAX_TOKENS = 8
+
+
+def post(url: str, body: dict, timeout: float = 60) -> tuple[int, dict]:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def metric(url: str, name: str) -> float:
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith(name + " ") or line.startswith(name + "{"):
+                return float(line.rsplit(" ", 1)[1])
+    raise KeyError(name)
+
+
+def completion(url: str, prompt: list[int], max_tokens: int = MAX_TOKENS) -> tuple[list[str], str, dict]:
+    status, out = post(url + "/v1/completions", {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                                                 "ignore_eos": True, "logprobs": 0})
+    assert status == 200, out
+    choice = out["choices"][0]
+    return choice["logprobs"]["tokens"], choice["text"], out["usage"]
+
+
+class Cluster:
+    def __init__(self, model: str, mode: str, log_dir, prefill: int = 1, decode: int = 1,
+                 extra_decode: tuple[str, ...] = ()) -> None:
+        self.procs: list[ServerProcess] = []
+        self.prefills = [self._serve(model, "prefill", mode, log_dir, ()) for _ in range(prefill)]
+        self.decodes = [self._serve(model, "decode", mode, log_dir, extra_decode) for _ in range(decode)]
+        self.mode = mode
+        self.log_dir = log_dir
+
+    def _serve(self, model: str, role: str, mode: str, log_dir, extra: tuple[str, ...]) -> ServerProcess:
+        port = free_port()
+        proc = ServerProcess(["serve", model, "--port", str(port), "--role", role, "--kv-mode", mode, *SERVE, *extra],
+                             log_path=str(log_dir / f"{role}-{port}.log"))
+        self.procs.append(proc.start())
+        return proc
+
+    def proxy(self, first_token: str = "recompute", policy: str = "round-robin") -> ServerProcess:
+        port = free_port()
+        argv = ["proxy", "--port", str(port), "--kv-mode", self.mode, "--first-token", first_token, "--policy", policy,
+                "--prefill", *[p.url for p in self.prefills], "--decode", *[d.url for d in self.decodes]]
+        proc = ServerProcess(argv, log_path=str(self.log_dir / f"proxy-{port}.log"))
+        self.procs.append(proc.start())
+        proc.wait_healthy(120)
+        return proc
+
+    def wait(self) -> Cluster:
+        for p in self.procs:
+            p.wait_healthy(120)
+        return self
+
+    def stop(self) -> None:
+        for p in reversed(self.procs):
+            p.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model):
+    """Greedy outputs of the colocated offline engine (token strings and text) for a prompt."""
+    from kvpush import LLM, SamplingParams
+    from kvpush.tokenizer import Tokenizer
+
+    llm = LLM(tiny_model, block_size=BS, num_blocks=512)
+    tok = Tokenizer.from_pretrained(tiny_model)
+    cache: dict[tuple[int, ...], tuple[list[str], str]] = {}
+
+    def ref(prompt: list[int], max_tokens: int = MAX_TOKENS) -> tuple[list[str], str]:
+        key = (*prompt, -max_tokens)
+        if key not in cache:
+            out = llm.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))[0]
+            cache[key] = ([tok.decode([t], skip_special_tokens=False) for t in out.token_ids], out.text)
+        return cache[key]
+
+    return ref
+
+
+@pytest.fixture(scope="module", params=["push", "pull"])
+def cluster(request, tiny_model, tmp_path_factory):
+    c = Cluster(tiny_model, request.param, tmp_path_factory.mktemp(f"logs-{request.param}"))
+    try:
+        c.wait()
+        c.proxies = {ft: c.proxy(ft) for ft in ("recompute", "from-prefill")}  # type: ignore[attr-defined]
+        yield c
+    finally:
+        c.stop()
+
+
+def prompt_of(n: int, seed: int) -> list[int]:
+    return [(seed * 7919 + i * 104729) % 1000 + 3 for i in range(n)]
+
+
+PROMPT_LENGTHS = {"one-token": 1, "one-block": BS, "many-blocks": 6 * BS, "partial-last-block": 3 * BS + 5}
+
+
+@pytest.mark.parametrize("first_token", ["recompute", "from-prefill"])
+@pytest.mark.parametrize("shape", list(PROMPT_LENGTHS))
+def test_outputs_equal_colocated(cluster, reference, first_token, shape):
+    prompt = prompt_of(PROMPT_LENGTHS[shape], seed=len(shape))
+    tokens, text, _ = completion(cluster.proxies[first_token].url, prompt)
+    assert (tokens, text) == reference(prompt)
+
+
+@pytest.mark.parametrize("first_token", ["recompute", "from-prefill"])
+def test_prefix_cache_hits_on_decode(cluster, reference, first_token):
+    url = cluster.proxies[first_token].url
+    base = prompt_of(4 * BS, seed=99 + len(first_token) + len(cluster.mode))
+    assert completion(url, base)[:2] == reference(base)  # D now caches base's full blocks
+    longer = base + prompt_of(2 * BS + 3, seed=5)
+    tokens, text, usage = completion(url, longer)
+    assert (tokens, text) == reference(longer)
+    assert usage["prompt_tokens_details"]["cached_tokens"] == 4 * BS  # partial hit: the rest was transferred
+    # A full hit: D holds every block it needs (recompute: the first n-1 tokens; pull from-prefill: all n,
+    # P's first token came with its PrefillResult). Push from-prefill always receives the last block,
+    # since P's first token travels with the WRITE's notification.
+    push_from_prefill = first_token == "from-prefill" and cluster.mode == "push"
+    full = base + [7] if first_token == "recompute" else base
+    bytes_before = metric(cluster.decodes[0].url, "kvpush_kv_transfer_bytes_total")
+    tokens, text, usage = completion(url, full)
+    assert (tokens, text) == reference(full)
+    moved = metric(cluster.decodes[0].url, "kvpush_kv_transfer_bytes_total") - bytes_before
+    if push_from_prefill:
+        assert usage["prompt_tokens_details"]["cached_tokens"] == 3 * BS and moved > 0
+    else:
+        assert usage["prompt_tokens_details"]["cached_tokens"] == 4 * BS and moved == 0
+
+
+def test_streaming_through_proxy(cluster, reference):
+    prompt = prompt_of(2 * BS + 1, seed=3)
+    body = json.dumps({"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+                       "stream": True, "stream_options": {"include_usage": True}}).encode()
+    req = urllib.request.Request(cluster.proxies["recompute"].url + "/v1/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    text, trace = "", None
+    with urllib.request.urlopen(req, timeout=60) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                for c in chunk["choices"]:
+                    text += c["text"]
+                    trace = c.get("kvpush_trace", trace)
+    assert text == reference(prompt)[1]
+    assert trace is not None and {"dispatched", "kv_ready", "first_token"} <= set(trace)
+
+
+def test_blocks_all_free_afterwards(cluster):
+    import time
+
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        used = [metric(p.url, "kvpush_kv_blocks_used") for p in cluster.prefills + cluster.decodes]
+        if sum(used[: len(cluster.prefills)]) == 0:
+            break
+        time.sleep(0.2)
+    assert used[: len(cluster.prefills)] == [0.0] * len(cluster.prefills)  # P holds nothing after transfers
+    # D keeps only prefix-cache blocks of finished requests, which are free (reusable) blocks
+    assert all(u == 0.0 for u in used)
+
+
+def test_corrupted_block_changes_output(tiny_model, reference, tmp_path):
+    """The equality tests can fail: perturbing one received block on D changes the greedy output."""
+    c = Cluster(tiny_model, "push", tmp_path, extra_decode=("--fault-inject", "corrupt-kv"))
+    try:
+        c.wait()
+        proxy = c.proxy()
+        prompt = prompt_of(5 * BS, seed=11)
+        tokens, text, _ = completion(proxy.url, prompt, max_tokens=16)
+        assert (tokens, text) != reference(prompt, 16)
+    finally:
+        c.stop()
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_2p2d_spreads_requests(tiny_model, reference, tmp_path, mode):
+    c = Cluster(tiny_model, mode, tmp_path, prefill=2, decode=2)
+    try:
+        c.wait()
+        proxy = c.proxy(policy="round-robin")
+        for i in range(8):
+            prompt = prompt_of(BS * (i % 3 + 1) + i, seed=200 + i)
+            assert completion(proxy.url, prompt)[:2] == reference(prompt)
+        for inst in c.prefills + c.decodes:
+            assert metric(inst.url, "kvpush_generation_tokens_total") > 0, inst.url
+        for p in c.prefills:
+            assert metric(p.url, "kvpush_kv_blocks_used") == 0
+    finally:
+        c.stop()
