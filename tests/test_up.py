@@ -1,0 +1,81 @@
+"""`kvpush up` starts a 1P1D deployment, serves through its proxy, and stops with no process left."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from kvpush.launch import free_port
+
+pytestmark = pytest.mark.integration
+
+
+def parents() -> dict[int, int]:
+    out = {}
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                if fields[0] != "Z":  # zombies are dead
+                    out[int(pid)] = int(fields[1])
+            except OSError:
+                continue
+    return out
+
+
+def descendants(root: int) -> set[int]:
+    ppid = parents()
+    found, frontier = set(), {root}
+    while frontier:
+        frontier = {p for p, pp in ppid.items() if pp in frontier} - found
+        found |= frontier
+    return found
+
+
+def alive(pids: set[int]) -> set[int]:
+    return pids & set(parents())
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL])
+def test_up_starts_serves_and_stops_cleanly(tiny_model, tmp_path, sig):
+    port = free_port()
+    up = subprocess.Popen([sys.executable, "-m", "kvpush.cli", "up", tiny_model, "--kv-mode", "push", "--port", str(port),
+                           "--num-blocks", "256", "--block-size", "8"],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    children: set[int] = set()
+    try:
+        deadline = time.monotonic() + 120
+        lines = []
+        while time.monotonic() < deadline:
+            line = up.stdout.readline()
+            lines.append(line)
+            if "ready:" in line or not line:
+                break
+        assert any("ready:" in ln for ln in lines), lines
+        children = descendants(up.pid)
+        assert len(children) >= 5  # P and D (each with its engine core) and the proxy
+        body = json.dumps({"prompt": "hello", "max_tokens": 4, "temperature": 0}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            assert json.loads(r.read())["usage"]["completion_tokens"] == 4
+        up.send_signal(sig)
+        # SIGKILL: `up` cannot clean up; its children get SIGTERM from the kernel (parent-death signal)
+        assert up.wait(60) == (-signal.SIGKILL if sig == signal.SIGKILL else 0)
+        deadline = time.monotonic() + 20
+        while alive(children) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert alive(children) == set()
+    finally:
+        if up.poll() is None:
+            up.kill()
+        for pid in alive(children | descendants(up.pid)):
+            os.kill(pid, signal.SIGKILL)
