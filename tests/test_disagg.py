@@ -166,7 +166,12 @@ def test_streaming_through_proxy(cluster, reference):
                     text += c["text"]
                     trace = c.get("kvpush_trace", trace)
     assert text == reference(prompt)[1]
-    assert trace is not None and {"dispatched", "kv_ready", "first_token"} <= set(trace)
+    assert trace is not None
+    expected = {"dispatched", "p_admitted", "p_prefill_done", "d_ready", "first_token"}
+    if cluster.mode == "push":
+        expected |= {"reg_received", "write_posted"}
+    assert expected <= set(trace), trace
+    assert trace["dispatched"] <= trace["p_admitted"] <= trace["p_prefill_done"] <= trace["d_ready"] <= trace["first_token"]
 
 
 def test_blocks_all_free_afterwards(cluster):

@@ -104,7 +104,7 @@ class LLMEngine:
                     kv_transfer_params: dict | None = None) -> Request:
         """Queue a request. Raises InvalidRequestError (nothing queued) if it can never run here."""
         request = self.make_request(request_id, prompt_token_ids, params)
-        request.trace["admitted"] = time.time()
+        request.trace["arrived"] = time.time()
         if self.connector is not None:
             self.connector.on_add(request, kv_transfer_params)
         elif kv_transfer_params is not None:

@@ -231,9 +231,11 @@ class Proxy:
             data = await r.read()
             if r.status != 200:
                 raise LegError(r.status, data)
-        d.trace["p_done"] = time.time()
+        d.trace["p_response"] = time.time()
         try:
-            kv = json.loads(data)["choices"][0]["kv_transfer_params"]
+            choice = json.loads(data)["choices"][0]
+            d.trace.update(_prefill_trace(choice.get("kvpush_trace")))
+            kv = choice["kv_transfer_params"]
             return pr.params_from_dict(kv, pr.PrefillResult)
         except (KeyError, IndexError, TypeError, ValueError, pr.ProtocolError) as e:
             raise LegError(502, json.dumps(R.error_body(502, f"prefill answered without KV params: {e}")).encode()) from e
@@ -281,6 +283,14 @@ def prefill_body(body: dict, kv_params: dict) -> dict:
                                                       "min_tokens", "max_completion_tokens")}
     leg.update(max_tokens=1, stream=False, kv_transfer_params=kv_params)
     return leg
+
+
+def _prefill_trace(trace: object) -> dict[str, float]:
+    """P's timestamps under the names the handover breakdown uses."""
+    if not isinstance(trace, dict):
+        return {}
+    names = {"arrived": "p_admitted", "prefill_done": "p_prefill_done"}
+    return {names[k]: float(v) for k, v in trace.items() if k in names and isinstance(v, (int, float))}
 
 
 def _parse_body(raw: bytes) -> dict:

@@ -100,6 +100,7 @@ class KVReady:
     transfer_id: str
     request_id: str
     first_token_id: int | None
+    trace: tuple[tuple[str, float], ...] = ()  # P's timestamps carried by Done
 
 
 @dataclass(frozen=True)

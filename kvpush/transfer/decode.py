@@ -93,7 +93,7 @@ class DecodeConnector(KVConnector):
         st.admitted = True
         request.num_cached_tokens = len(hits) * bs
         st.transfer_blocks = tuple(request.block_table[len(hits) : -(-st.need_len // bs)])
-        request.trace["d_admitted"] = time.time()
+        request.trace["d_admitted" if st.params.mode is KVMode.PULL else "d_registered"] = time.time()
         if st.transfer_blocks:
             self._start_transfer(request, st, len(hits))
         else:
@@ -151,7 +151,8 @@ class DecodeConnector(KVConnector):
             return
         request, st = found
         st.pending = False
-        request.trace["kv_ready"] = time.time()
+        request.trace.update(event.trace)
+        request.trace["d_ready"] = time.time()
         if "corrupt-kv" in self.config.fault_inject:
             self.engine.cache.kv[st.transfer_blocks[0]].add_(1.0)  # testing only: wrong KV must change output
         request.num_computed_tokens = st.need_len

@@ -40,6 +40,7 @@ initiates):
                               their next poll, ``is_connected`` is False until ``remove_peer``.
     ``finish_delayed()``      every delayed transfer completes at its next poll
     ``in_flight()``           this agent's transfers still POSTED (not released)
+    ``notif_polls``           how many times ``get_notifs`` was called (how busily it is polled)
 
 Peers can be added the nixl way (``add_peer(other.metadata(), other.geometry)``, ``metadata`` is
 msgpack naming the agent), with ``connect`` (both directions, no handshake), and
@@ -137,6 +138,7 @@ class FakeAgent:
         self.post_delay_s = 0.0
         self.drop_notifs: int | float = 0
         self.dropped_notifs = 0
+        self.notif_polls = 0  # get_notifs calls: how busily the owner polls
         self.rng = random.Random(f"{fabric.seed}:{name}")
         self._closed = False
         self._peers: dict[str, _Peer] = {}
@@ -342,7 +344,8 @@ class FakeAgent:
             if not isinstance(handle, _Op):
                 raise TransferError(f"poll of a released transfer towards peer {transfer.peer!r}")
             self._check_open("poll")
-            if handle.remaining_polls > 0:
+            p = self._peers.get(handle.peer)
+            if handle.remaining_polls > 0 and p is not None and p.disconnected is None:
                 handle.remaining_polls -= 1
                 return transfer.state
             self._complete(transfer, handle)
@@ -441,6 +444,7 @@ class FakeAgent:
     def get_notifs(self) -> list[tuple[str, bytes]]:
         with self.fabric.lock:
             self._check_open("get_notifs")
+            self.notif_polls += 1
             out, self._inbox = self._inbox, []
             self.stats.notifs_received += len(out)
             return out

@@ -244,6 +244,9 @@ class Done(msgspec.Struct, tag=True, frozen=True, array_like=True):
 
     transfer_id: str
     first_token_id: int | None = None
+    # P's wall-clock timestamps (unix seconds) for the handover breakdown; informational only.
+    reg_received: float | None = None
+    write_posted: float | None = None
 
     def __post_init__(self) -> None:
         _check_transfer_id(self.transfer_id)

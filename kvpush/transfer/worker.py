@@ -73,6 +73,7 @@ class TransferWorker(threading.Thread):
         self.peers: dict[str, str] = {}  # engine id -> nixl peer name
         self.first_tokens: dict[str, int | None] = {}
         self.cancelled: dict[str, str] = {}  # P: transfer id -> reason, cancelled before any record
+        self.reg_times: dict[str, float] = {}  # P: when each PushReg arrived (for the breakdown)
         self._live = False  # some ledger record is not terminal (refreshed on every change)
         self._stop = threading.Event()
         self._last_housekeeping = 0.0
@@ -233,7 +234,8 @@ class TransferWorker(threading.Thread):
         skip = rec.num_prefix_tokens // self.block_size
         remote = list(rec.remote_block_ids)
         local = list(rec.local_block_ids[skip : skip + len(remote)])
-        done = pr.encode(pr.Done(rec.transfer_id, self.first_tokens.get(rec.transfer_id)))
+        done = pr.encode(pr.Done(rec.transfer_id, self.first_tokens.get(rec.transfer_id),
+                                 reg_received=self.reg_times.pop(rec.transfer_id, None), write_posted=time.time()))
         assert rec.peer_engine_id is not None
         peer = self.peers.get(rec.peer_engine_id)
         if peer is None:
@@ -246,6 +248,7 @@ class TransferWorker(threading.Thread):
 
     def _free_p(self, rec: TransferRecord) -> None:
         self.first_tokens.pop(rec.transfer_id, None)
+        self.reg_times.pop(rec.transfer_id, None)
         if rec.local_block_ids:
             self.emit(FreeBlocks(list(rec.local_block_ids)))
 
@@ -357,6 +360,8 @@ class TransferWorker(threading.Thread):
         rec = self.ledger.on_notification(msg, engine_id)
         if rec is None:
             return
+        if isinstance(msg, pr.PushReg):
+            self.reg_times[rec.transfer_id] = time.time()
         if self.side is Side.PREFILL:
             if isinstance(msg, pr.Abort) and rec.transfer_id not in self.posted:
                 self._send(engine_id, pr.Fail.create(rec.transfer_id, "aborted by decode"))  # ack: nothing in flight
@@ -367,7 +372,8 @@ class TransferWorker(threading.Thread):
         elif rec.state is S.DONE:
             geometry = self.agent.geometry
             self.metrics.received(len(rec.local_block_ids) * (geometry.block_bytes if geometry else 0))
-            self.emit(KVReady(rec.transfer_id, rec.request_id or "", getattr(msg, "first_token_id", None)))
+            trace = tuple((k, v) for k in ("reg_received", "write_posted") if (v := getattr(msg, k, None)))
+            self.emit(KVReady(rec.transfer_id, rec.request_id or "", getattr(msg, "first_token_id", None), trace))
         elif rec.is_terminal and (before is None or not before.is_terminal):
             self._terminal(rec)
 
