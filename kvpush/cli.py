@@ -198,9 +198,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     p.set_defaults(func=cmd_make_model)
-    p = sub.add_parser("demo", help="the README's main job")
+    p = sub.add_parser("demo", help="the README's main job: push vs pull vs colocated on the bench model")
     p.add_argument("--model-dir", default=None, help="where the demo model lives (created if missing)")
-    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--result-dir", default="kvpush-results")
+    p.add_argument("--rates", type=float, nargs="+", default=None, help="request rates (req/s)")
+    p.add_argument("--num-prompts", type=int, default=12, help="measured requests per mode and rate")
     p.set_defaults(func=cmd_demo)
     _add_bench(sub)
     return parser

@@ -19,7 +19,7 @@ Per request the generator records, relative to the send time:
   which uses ``usage.completion_tokens``, stays exact.
 - E2E: from send to ``data: [DONE]``; output/prompt tokens from the final ``usage`` chunk
   (``stream_options.include_usage``), falling back to the counted tokens and the sample's length.
-- ``kvpush_trace``: the server-side timestamps dict from any chunk (the last one wins), stored raw.
+- ``kvpush_trace``: the server-side timestamps dict from any chunk or choice (the last one wins), stored raw.
 
 A request succeeds when the server answers 200, streams at least one token and ends with
 ``[DONE]``; HTTP errors, error chunks, dropped connections and timeouts are recorded as failures
@@ -157,8 +157,9 @@ class _StreamState:
             raise _StreamError(f"unexpected SSE payload: {str(chunk)[:100]}")
         if chunk.get("error"):
             raise _StreamError(f"error in stream: {str(chunk['error'])[:MAX_ERROR_CHARS]}")
-        if isinstance(chunk.get("kvpush_trace"), dict):
-            self.record.kvpush_trace = chunk["kvpush_trace"]
+        for holder in [chunk, *(c for c in chunk.get("choices") or [] if isinstance(c, dict))]:
+            if isinstance(holder.get("kvpush_trace"), dict):  # kvpush puts it in the final choice
+                self.record.kvpush_trace = holder["kvpush_trace"]
         if isinstance(chunk.get("usage"), dict):
             self.usage = chunk["usage"]
         tokens = sum(chunk_tokens(c) for c in chunk.get("choices") or [])

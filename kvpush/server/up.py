@@ -21,6 +21,7 @@ class Deployment:
     def __init__(self, model: str, num_prefill: int, num_decode: int, kv_mode: str, port: int,
                  serve_args: list[str], proxy_args: list[str], log_dir: str | None = None) -> None:
         self.log_dir = log_dir or tempfile.mkdtemp(prefix="kvpush-up-")
+        os.makedirs(self.log_dir, exist_ok=True)
         self.instances: list[ServerProcess] = []
         urls: dict[str, list[str]] = {"prefill": [], "decode": []}
         for role, n in (("prefill", num_prefill), ("decode", num_decode)):

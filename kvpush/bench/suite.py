@@ -1,0 +1,158 @@
+"""Push vs pull vs colocated, side by side: start one deployment per mode, then load each in turn.
+
+    STARTING (colocated server; 1P1D push + proxy; 1P1D pull + proxy; all healthy)
+    -> MEASURING (idle CPU of every instance; then per repeat and rate, each mode in rotating
+       order on the same prompts; one run JSON each) -> REPORT (table, breakdown, PNGs)
+    -> STOPPED (every process, also on error or Ctrl-C)
+
+All deployments stay up for the whole suite, so modes alternate within a repeat and see the same
+machine load; a repeat draws fresh prompts, so prefix caches do not flatter later repeats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvpush.bench import cli as bench_cli
+from kvpush.bench.report import compare, format_handover, format_table, load_run
+from kvpush.launch import ServerProcess, free_port
+from kvpush.server.up import Deployment
+
+MODES = ("colocated", "pull", "push")
+SPECIAL_IDS = "0,1,2"
+
+
+@dataclass
+class SuiteConfig:
+    model: str
+    modes: tuple[str, ...] = MODES
+    rates: tuple[float, ...] = (1.0,)
+    num_prompts: int = 20
+    num_warmups: int = 2
+    input_len: int = 512
+    output_len: int = 32
+    repeats: int = 1
+    seed: int = 0
+    result_dir: str = "kvpush-results"
+    serve_args: list[str] = field(default_factory=list)
+    vocab_size: int = 8192
+    idle_probe_s: float = 3.0
+    progress: bool = False
+
+
+class Fleet:
+    """One serving endpoint per mode, started together and stopped together."""
+
+    def __init__(self, cfg: SuiteConfig, log_dir: str) -> None:
+        self.urls: dict[str, str] = {}
+        self.colocated: ServerProcess | None = None
+        self.deployments: dict[str, Deployment] = {}
+        if "colocated" in cfg.modes:
+            port = free_port()
+            self.colocated = ServerProcess(["serve", cfg.model, "--port", str(port), *cfg.serve_args],
+                                           log_path=os.path.join(log_dir, "colocated.log"))
+        for mode in ("push", "pull"):
+            if mode in cfg.modes:
+                self.deployments[mode] = Deployment(cfg.model, 1, 1, mode, free_port(), cfg.serve_args, [],
+                                                    log_dir=os.path.join(log_dir, mode))
+
+    def start(self) -> Fleet:
+        try:
+            if self.colocated is not None:
+                self.colocated.start()
+                self.colocated.wait_healthy(300)
+                self.urls["colocated"] = self.colocated.url
+            for mode, dep in self.deployments.items():
+                dep.start()
+                self.urls[mode] = dep.url
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        for dep in self.deployments.values():
+            dep.stop()
+        if self.colocated is not None:
+            self.colocated.stop()
+
+    def instances(self) -> dict[str, ServerProcess]:
+        out = {"colocated": self.colocated} if self.colocated is not None else {}
+        for mode, dep in self.deployments.items():
+            for inst in dep.instances:
+                role = inst.argv[inst.argv.index("--role") + 1]
+                out[f"{mode}-{role}"] = inst
+        return out
+
+
+def process_tree_cpu(pid: int) -> float:
+    """CPU seconds (user + system) used so far by a process and all its descendants."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    stats: dict[int, tuple[int, float]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            stats[int(entry)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / ticks)
+    tree, frontier = {pid}, {pid}
+    while frontier:
+        frontier = {p for p, (pp, _) in stats.items() if pp in frontier} - tree
+        tree |= frontier
+    return sum(stats[p][1] for p in tree if p in stats)
+
+
+def idle_cpu(fleet: Fleet, seconds: float) -> dict[str, float]:
+    """Share of one core each idle instance (with its engine core and transfer thread) uses."""
+    procs = {name: p.proc.pid for name, p in fleet.instances().items() if p.proc is not None}
+    before = {name: process_tree_cpu(pid) for name, pid in procs.items()}
+    time.sleep(seconds)
+    return {name: (process_tree_cpu(pid) - before[name]) / seconds for name, pid in procs.items()}
+
+
+def bench_args(cfg: SuiteConfig, url: str, mode: str, rate: float, seed: int) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    bench_cli.add_bench_arguments(parser)
+    return parser.parse_args([
+        "--base-url", url, "--result-dir", cfg.result_dir, "--dataset", "random",
+        "--input-len", str(cfg.input_len), "--output-len", str(cfg.output_len), "--ignore-eos",
+        "--num-prompts", str(cfg.num_prompts), "--num-warmups", str(cfg.num_warmups),
+        "--request-rate", str(rate), "--seed", str(seed), "--mode-label", mode,
+        "--vocab-size", str(cfg.vocab_size), "--avoid-token-ids", SPECIAL_IDS,
+        *([] if cfg.progress else ["--no-progress"]),
+    ])
+
+
+def run_suite(cfg: SuiteConfig) -> tuple[list[Path], Path, list[Path]]:
+    """Measure every mode at every rate; returns (run files, comparison table, plots)."""
+    Path(cfg.result_dir).mkdir(parents=True, exist_ok=True)
+    log_dir = os.path.join(cfg.result_dir, "logs")
+    os.makedirs(log_dir, exist_ok=True)
+    fleet = Fleet(cfg, log_dir)
+    print(f"kvpush suite: starting {', '.join(cfg.modes)} on {cfg.model} (logs in {log_dir})", flush=True)
+    fleet.start()
+    runs: list[Path] = []
+    try:
+        cpu = idle_cpu(fleet, cfg.idle_probe_s)
+        print("idle CPU (share of one core): " + ", ".join(f"{k} {v:.1%}" for k, v in cpu.items()), flush=True)
+        for rep in range(cfg.repeats):
+            for k, rate in enumerate(cfg.rates):
+                order = cfg.modes[rep % len(cfg.modes):] + cfg.modes[: rep % len(cfg.modes)]
+                seed = cfg.seed + 1000 * rep + k
+                for mode in order:
+                    args = bench_args(cfg, fleet.urls[mode], mode, rate, seed)
+                    _, path = bench_cli._one_run(args, 0, rate, cfg.model)
+                    runs.append(path)
+    finally:
+        fleet.stop()
+    md, pngs = compare([str(p) for p in runs], os.path.join(cfg.result_dir, "compare"))
+    docs = [load_run(str(p)) for p in runs]
+    print(format_table(docs))
+    print(format_handover(docs))
+    return runs, md, pngs
