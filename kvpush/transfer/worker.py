@@ -42,7 +42,7 @@ from kvpush.transfer.commands import (
     SendNotif,
 )
 from kvpush.transfer.handshake import HandshakeInfo, pack, verify_and_decode
-from kvpush.transfer.ledger import Side, TransferLedger, TransferRecord
+from kvpush.transfer.ledger import LedgerError, Side, TransferLedger, TransferRecord
 from kvpush.transfer.ledger import TransferState as S
 from kvpush.transfer.nixl_agent import KVGeometry, NixlTransferAgent, Transfer, TransferState
 from kvpush.transfer.side_channel import request as side_request
@@ -75,7 +75,7 @@ class TransferWorker(threading.Thread):
         self.cancelled: dict[str, str] = {}  # P: transfer id -> reason, cancelled before any record
         self.reg_times: dict[str, float] = {}  # P: when each PushReg arrived (for the breakdown)
         self._live = False  # some ledger record is not terminal (refreshed on every change)
-        self._stop = threading.Event()
+        self._stopping = threading.Event()  # not `_stop`: that name is Thread's own
         self._last_housekeeping = 0.0
 
     # ---- thread API (any thread) ---------------------------------------------------------
@@ -83,7 +83,7 @@ class TransferWorker(threading.Thread):
         self.commands.put(command)
 
     def stop(self) -> None:
-        self._stop.set()
+        self._stopping.set()
         self.commands.put(None)
 
     def handle_handshake(self, frame: bytes) -> bytes:
@@ -102,14 +102,14 @@ class TransferWorker(threading.Thread):
     def run(self) -> None:
         backoff = 0.0
         cpu0 = time.thread_time()
-        while not self._stop.is_set():
+        while not self._stopping.is_set():
             busy = self._busy()
             try:
                 progressed = self._drain(None if busy else IDLE_WAIT_S)
                 progressed |= self._poll_posted()
                 progressed |= self._poll_notifs()
-                self._housekeeping()
-            except TransferError as e:  # never let one bad transfer stop the thread
+                progressed |= self._housekeeping()
+            except (TransferError, ValueError) as e:  # never let one bad transfer stop the thread
                 log.error("transfer thread: %s", e)
                 progressed = True
             if progressed:
@@ -179,6 +179,7 @@ class TransferWorker(threading.Thread):
 
     # ---- peers ---------------------------------------------------------------------------
     def _add_peer(self, cmd: AddPeer) -> None:
+        self._forget_peer(cmd.info.engine_id, cmd.info.agent_name)
         name = self.agent.add_peer(cmd.info.agent_metadata, KVGeometry.from_info(cmd.info))
         self.peers[cmd.info.engine_id] = name
         self.metrics.handshakes += 1
@@ -196,10 +197,17 @@ class TransferWorker(threading.Thread):
         except HandshakeError:
             self.metrics.handshake_failures += 1
             raise
+        self._forget_peer(peer.engine_id, info.agent_name)
         name = self.agent.add_peer(info.agent_metadata, KVGeometry.from_info(info))
         self.peers[peer.engine_id] = name
         self.metrics.handshakes += 1
         return name
+
+    def _forget_peer(self, engine_id: str, agent_name: str) -> None:
+        """Drop a previous connection to the same peer (it disconnected and is handshaking anew)."""
+        for name in {self.peers.pop(engine_id, None), agent_name} - {None}:
+            if name in self.agent.peers():
+                self.agent.remove_peer(name)
 
     def _send(self, engine_id: str, msg: pr.Message) -> None:
         name = self.peers.get(engine_id)
@@ -219,7 +227,7 @@ class TransferWorker(threading.Thread):
                                           peer_engine_id=cmd.decode_engine_id, num_tokens=cmd.num_tokens)
         try:
             self._after_p_update(rec)
-        except TransferError as e:
+        except (TransferError, ValueError) as e:
             self._fail(rec, str(e), tell_peer=True)
 
     def _after_p_update(self, rec: TransferRecord | None) -> None:
@@ -242,9 +250,15 @@ class TransferWorker(threading.Thread):
             raise TransferError(f"registration from {rec.peer_engine_id}, which never completed a handshake")
         if len(local) < len(remote):
             raise TransferError(f"D registered {len(remote)} blocks but P holds {len(local)} after the prefix")
-        transfer = self.agent.write(peer, local, remote, done)
-        self.ledger.mark_posted(rec.transfer_id, num_descs=transfer.num_descs, num_bytes=transfer.num_bytes)
+        self._track(rec, self.agent.write(peer, local, remote, done))
+
+    def _track(self, rec: TransferRecord, transfer: Transfer) -> None:
+        """A posted transfer is polled to its end whatever happens to its record meanwhile."""
         self.posted[rec.transfer_id] = transfer
+        try:
+            self.ledger.mark_posted(rec.transfer_id, num_descs=transfer.num_descs, num_bytes=transfer.num_bytes)
+        except LedgerError as e:  # e.g. the deadline passed during a slow synchronous post
+            self._fail(rec, f"posted too late: {e}", tell_peer=True)
 
     def _free_p(self, rec: TransferRecord) -> None:
         self.first_tokens.pop(rec.transfer_id, None)
@@ -267,9 +281,9 @@ class TransferWorker(threading.Thread):
         self.ledger.register(cmd.transfer_id, cmd.request_id, cmd.local_ids, cmd.deadline,
                              peer_engine_id=cmd.peer.engine_id, remote_block_ids=cmd.remote_ids,
                              num_tokens=cmd.num_tokens)
-        transfer = self.agent.read(peer, cmd.local_ids, cmd.remote_ids, pr.encode(pr.ReadDone(cmd.transfer_id)))
-        self.ledger.mark_posted(cmd.transfer_id, num_descs=transfer.num_descs, num_bytes=transfer.num_bytes)
-        self.posted[cmd.transfer_id] = transfer
+        rec = self.ledger.get(cmd.transfer_id)
+        assert rec is not None
+        self._track(rec, self.agent.read(peer, cmd.local_ids, cmd.remote_ids, pr.encode(pr.ReadDone(cmd.transfer_id))))
 
     def _cancel(self, cmd: Cancel) -> None:
         self.expected.discard(cmd.transfer_id)
@@ -324,13 +338,21 @@ class TransferWorker(threading.Thread):
     def _fail(self, rec: TransferRecord, reason: str, tell_peer: bool, confirmed: bool = False) -> None:
         in_flight = rec.transfer_id in self.posted
         rec = self.ledger.mark_failed(rec.transfer_id, reason, confirmed=confirmed and not in_flight)
-        if tell_peer and rec.peer_engine_id:
-            msg = pr.Fail.create(rec.transfer_id, reason) if self.side is Side.PREFILL else pr.Abort(rec.transfer_id)
-            self._send(rec.peer_engine_id, msg)
+        if tell_peer:
+            self._tell_peer_failed(rec, reason)
         self._terminal(rec)
+
+    def _tell_peer_failed(self, rec: TransferRecord, reason: str) -> None:
+        """Fail (P) / Abort (D) promise the peer that nothing of ours is in flight: while our WRITE is,
+        P's message waits for the WRITE to end (`_finished` sends it)."""
+        if not rec.peer_engine_id or (self.side is Side.PREFILL and rec.transfer_id in self.posted):
+            return
+        msg = pr.Fail.create(rec.transfer_id, reason) if self.side is Side.PREFILL else pr.Abort(rec.transfer_id)
+        self._send(rec.peer_engine_id, msg)
 
     def _terminal(self, rec: TransferRecord) -> None:
         """A record just became FAILED or EXPIRED (not DONE)."""
+        self.reg_times.pop(rec.transfer_id, None)
         if self.side is Side.PREFILL:
             if rec.has_local and rec.transfer_id not in self.posted:
                 self._free_p(rec)
@@ -359,6 +381,8 @@ class TransferWorker(threading.Thread):
         before = self.ledger.get(msg.transfer_id)
         rec = self.ledger.on_notification(msg, engine_id)
         if rec is None:
+            if isinstance(msg, pr.PushReg) and before is not None and before.is_terminal and before.state is not S.DONE:
+                self._send(engine_id, pr.Fail.create(msg.transfer_id, before.error or "transfer already ended"))
             return
         if isinstance(msg, pr.PushReg):
             self.reg_times[rec.transfer_id] = time.time()
@@ -367,7 +391,7 @@ class TransferWorker(threading.Thread):
                 self._send(engine_id, pr.Fail.create(rec.transfer_id, "aborted by decode"))  # ack: nothing in flight
             try:
                 self._after_p_update(rec)
-            except TransferError as e:
+            except (TransferError, ValueError) as e:
                 self._fail(rec, str(e), tell_peer=True)
         elif rec.state is S.DONE:
             geometry = self.agent.geometry
@@ -384,24 +408,23 @@ class TransferWorker(threading.Thread):
         return peer_name
 
     # ---- timers --------------------------------------------------------------------------
-    def _housekeeping(self) -> None:
+    def _housekeeping(self) -> bool:
+        """Expiry, quarantine release, tombstone collection. Returns True if any record changed."""
         now = time.monotonic()
         if now - self._last_housekeeping < HOUSEKEEPING_S:
-            return
+            return False
         self._last_housekeeping = now
-        for rec in self.ledger.expire():
+        expired = self.ledger.expire()
+        for rec in expired:
             self._expired(rec)
-        if self.side is Side.DECODE:
-            freed = self.ledger.release_quarantine()
-            if freed:
-                self.emit(FreeBlocks(freed))
+        freed = self.ledger.release_quarantine() if self.side is Side.DECODE else []
+        if freed:
+            self.emit(FreeBlocks(freed))
         self.ledger.gc()
+        return bool(expired or freed)
 
     def _expired(self, rec: TransferRecord) -> None:
-        if rec.peer_engine_id:
-            msg = pr.Fail.create(rec.transfer_id, "lease expired") if self.side is Side.PREFILL \
-                else pr.Abort(rec.transfer_id)
-            self._send(rec.peer_engine_id, msg)
+        self._tell_peer_failed(rec, "lease expired" if self.side is Side.PREFILL else "deadline passed")
         self._terminal(rec)
 
     def stats(self):
