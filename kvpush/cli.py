@@ -87,7 +87,9 @@ def add_transfer_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("KV transfer (prefill and decode roles)")
     g.add_argument("--kv-mode", default=_default(TransferConfig, "kv_mode").value, choices=[m.value for m in KVMode])
     g.add_argument("--kv-host", default=_default(TransferConfig, "kv_host"),
-                   help="address of the KV side channel (handshakes); peers connect to it")
+                   help="address the KV side channel (handshakes) binds to")
+    g.add_argument("--kv-advertise-host", default=None,
+                   help="address peers should connect to (default: --kv-host, or this host's name for 0.0.0.0)")
     g.add_argument("--kv-port", type=int, default=_default(TransferConfig, "kv_port"), help="0: a free port")
     g.add_argument("--kv-secret", default=None, help="shared secret authenticating handshakes (HMAC)")
     g.add_argument("--kv-lease-s", type=float, default=_default(TransferConfig, "kv_lease_s"))
@@ -102,6 +104,7 @@ def transfer_config_from_args(args: argparse.Namespace) -> TransferConfig:
     if args.kv_lease_s <= 0 or args.kv_timeout_s <= 0:
         raise SystemExit("kvpush: --kv-lease-s and --kv-timeout-s must be positive")
     return TransferConfig(kv_mode=KVMode(args.kv_mode), kv_port=args.kv_port, kv_host=args.kv_host,
+                          kv_advertise_host=args.kv_advertise_host,
                           kv_secret=args.kv_secret, kv_lease_s=args.kv_lease_s, kv_timeout_s=args.kv_timeout_s,
                           on_kv_failure=OnKVFailure(args.on_kv_failure), fault_inject=tuple(args.fault_inject))
 
@@ -121,7 +124,8 @@ def add_proxy_arguments(p: argparse.ArgumentParser) -> None:
                    choices=[m.value for m in FirstToken],
                    help="D recomputes the last prompt position, or uses the token P sampled")
     p.add_argument("--policy", default=_default(ProxyConfig, "policy"), choices=["round-robin", "least-loaded"])
-    p.add_argument("--api-key", default=None)
+    p.add_argument("--api-key", default=None, help="clients must send this Bearer token")
+    p.add_argument("--instance-api-key", default=None, help="the Bearer token the instances expect")
 
 
 def cmd_proxy(args: argparse.Namespace) -> int:
@@ -135,7 +139,7 @@ def cmd_proxy(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     config = ProxyConfig(prefill_urls=tuple(args.prefill), decode_urls=tuple(args.decode), host=args.host,
                          port=args.port, kv_mode=KVMode(args.kv_mode), first_token=FirstToken(args.first_token),
-                         policy=args.policy, api_key=args.api_key)
+                         policy=args.policy, api_key=args.api_key, instance_api_key=args.instance_api_key)
     asyncio.run(serve_proxy(config))
     return 0
 

@@ -79,9 +79,9 @@ class ServerConfig:
 class TransferConfig:
     kv_mode: KVMode = KVMode.PUSH
     kv_port: int = 0  # 0: pick a free port
-    kv_host: str = "127.0.0.1"
+    kv_host: str = "127.0.0.1"  # the side channel binds here
+    kv_advertise_host: str | None = None  # what peers are told to connect to (default: kv_host)
     kv_secret: str | None = None
-    first_token: FirstToken = FirstToken.RECOMPUTE
     kv_lease_s: float = 30.0
     kv_timeout_s: float = 30.0
     on_kv_failure: OnKVFailure = OnKVFailure.ERROR
@@ -99,6 +99,7 @@ class ProxyConfig:
     first_token: FirstToken = FirstToken.RECOMPUTE
     policy: str = "round-robin"  # round-robin | least-loaded
     api_key: str | None = None
+    instance_api_key: str | None = None  # sent to the prefill and decode instances
     request_timeout_s: float = 600.0
     probe_interval_s: float = 1.0
 
@@ -107,17 +108,24 @@ def env_str(name: str, default: str | None = None) -> str | None:
     return os.environ.get(name, default)
 
 
-def ucx_environment() -> dict[str, str]:
+def ucx_environment(gpu: bool = False) -> dict[str, str]:
     """UCX settings for processes that create NIXL agents (DESIGN.md section 4).
 
-    Values already set in the environment win, so a deployment can choose its transports.
+    Values already set in the environment win, so a deployment can choose its transports. With GPU
+    memory registered, the CUDA transports are allowed too.
     """
     defaults = {
-        "UCX_TLS": "tcp,sm,cma,self",
+        "UCX_TLS": "tcp,sm,cma,self" + (",cuda_copy,cuda_ipc" if gpu else ""),
         "UCX_WARN_UNUSED_ENV_VARS": "n",
         "UCX_LOG_LEVEL": "error",
+        "NIXL_LOG_LEVEL": "WARN",
     }
     return {k: os.environ.get(k, v) for k, v in defaults.items()}
+
+
+def apply_ucx_environment(gpu: bool = False) -> None:
+    """Export the UCX defaults before the first NIXL agent of this process is created."""
+    os.environ.update(ucx_environment(gpu))
 
 
 def default_model_dir() -> str:

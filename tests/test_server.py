@@ -178,7 +178,7 @@ def test_queue_full_gives_503(server_factory, tiny_model):
     server = server_factory(tiny_model, "--max-waiting", "2", "--max-num-seqs", "1", "--num-blocks", "512")
 
     async def main() -> list[int]:
-        body = {"prompt": "flood", "max_tokens": 1000, "ignore_eos": True}
+        body = {"prompt": "flood", "max_tokens": 300, "ignore_eos": True}
         async with aiohttp.ClientSession() as s:
             async def one() -> int:
                 async with s.post(server.url + "/v1/completions", json=body) as r:

@@ -28,7 +28,7 @@ from kvpush.server.metrics import ServerMetrics
 from kvpush.server.openai_protocol import ChatCompletionRequest, CompletionRequest, parse_body
 from kvpush.tokenizer import Tokenizer
 
-OPEN_PATHS = {"/health", "/metrics"}
+OPEN_PATHS = {"/health", "/metrics", "/v1/kv_info"}
 
 
 class OpenAIServer:

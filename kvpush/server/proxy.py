@@ -79,7 +79,10 @@ class Proxy:
     # ---- lifecycle -----------------------------------------------------------------------
     async def start(self, wait_s: float = 120.0) -> None:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=self.config.request_timeout_s)
-        self.session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0))
+        key = self.config.instance_api_key
+        headers = {"Authorization": f"Bearer {key}"} if key else None
+        self.session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0),
+                                             headers=headers)
         deadline = time.monotonic() + wait_s
         while not self._ready() and time.monotonic() < deadline:
             await self.probe_all()

@@ -65,6 +65,7 @@ class Read:
     remote_ids: tuple[int, ...]
     num_tokens: int
     deadline: float
+    lease_expiry: float | None = None  # P frees its blocks then: never READ after it
 
 
 @dataclass(frozen=True)

@@ -112,8 +112,9 @@ class DecodeConnector(KVConnector):
                                             first * bs, request.num_prompt_tokens, st.deadline)
         else:
             remote = tuple((p.block_ids or [])[first : first + len(st.transfer_blocks)])
+            deadline = min(st.deadline, p.lease_expiry or st.deadline)
             cmd = Read(p.transfer_id, request.request_id, st.peer, st.transfer_blocks, remote,
-                       request.num_prompt_tokens, st.deadline)
+                       request.num_prompt_tokens, deadline, p.lease_expiry)
         self.runtime.worker.submit(cmd)
 
     def _nothing_to_receive(self, request: Request, st: DecodeState) -> None:

@@ -76,7 +76,6 @@ and must run on the owning thread or after it stopped.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Sequence
@@ -88,7 +87,7 @@ import msgspec
 import numpy as np
 import torch
 
-from kvpush.config import ucx_environment
+from kvpush.config import apply_ucx_environment as config_apply_ucx_environment
 from kvpush.errors import HandshakeError, TransferError
 
 logger = logging.getLogger(__name__)
@@ -240,13 +239,12 @@ def count_descriptors(local_idx: np.ndarray, remote_idx: np.ndarray) -> int:
     return 1 + int(np.count_nonzero(breaks))
 
 
-def apply_ucx_environment() -> None:
+def apply_ucx_environment(gpu: bool = False) -> None:
     """Put the UCX defaults of ``kvpush.config`` into ``os.environ`` where not already set.
 
     UCX reads its environment when a backend is created, so this runs before every agent.
     """
-    for key, value in ucx_environment().items():
-        os.environ.setdefault(key, value)
+    config_apply_ucx_environment(gpu=gpu)
 
 
 def _load_nixl() -> tuple[Any, Any]:
@@ -326,7 +324,7 @@ class NixlTransferAgent:
         self._local_blocks: Any = None
         self._local_slices: Any = None
 
-        apply_ucx_environment()
+        apply_ucx_environment(gpu=memory_type == "VRAM")
         api, bindings = _load_nixl()
         self._disconnect_error: type[BaseException] = bindings.nixlRemoteDisconnectError
         try:

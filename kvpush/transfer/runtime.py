@@ -7,7 +7,11 @@ Lifecycle: start() (agent created, buffer registered, threads started) -> runnin
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 import queue
+import socket
 import uuid
 from collections.abc import Callable
 
@@ -19,6 +23,17 @@ from kvpush.transfer.ledger import Side
 from kvpush.transfer.nixl_agent import NixlTransferAgent
 from kvpush.transfer.side_channel import SideChannelServer
 from kvpush.transfer.worker import TransferWorker
+
+
+def model_identity(model_dir: str) -> str:
+    """The model as far as KV compatibility goes: its config.json (not its path), hashed."""
+    try:
+        with open(os.path.join(model_dir, "config.json"), "rb") as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return model_dir
+    canonical = json.dumps({k: v for k, v in config.items() if not k.startswith("_")}, sort_keys=True)
+    return f"{config.get('architectures', ['?'])[0]}:{hashlib.sha256(canonical.encode()).hexdigest()[:16]}"
 
 
 def new_engine_id(role: Role) -> str:
@@ -38,7 +53,7 @@ class TransferRuntime:
                                        device_id=cache.kv.device.index or 0)
         geometry = self.agent.register_kv(cache.kv)
         # The compat hash covers the transfer mode, so push and pull instances never pair up.
-        fields = (model_id, dtype, layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.block_size,
+        fields = (model_identity(model_id), dtype, layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.block_size,
                   config.kv_mode.value)
         self.side_channel = SideChannelServer(config.kv_host, config.kv_port, self._on_handshake)
         self.info = HandshakeInfo(
@@ -52,7 +67,11 @@ class TransferRuntime:
 
     @property
     def kv_address(self) -> str:
-        return f"{self.side_channel.host}:{self.side_channel.port}"
+        """host:port that peers connect to (published by /v1/kv_info)."""
+        host = self.config.kv_advertise_host or self.side_channel.host
+        if host in ("0.0.0.0", "::", ""):
+            host = socket.getfqdn()
+        return f"{host}:{self.side_channel.port}"
 
     @property
     def mode(self) -> KVMode:

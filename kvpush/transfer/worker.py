@@ -52,6 +52,8 @@ log = logging.getLogger("kvpush.transfer")
 IDLE_WAIT_S = 0.2
 MAX_BACKOFF_S = 0.0005
 HOUSEKEEPING_S = 0.01
+LEASE_MARGIN_S = 0.5  # D does not start a READ this close to the end of P's lease
+CANCELLED_TTL_S = 300.0
 
 
 class TransferWorker(threading.Thread):
@@ -72,7 +74,7 @@ class TransferWorker(threading.Thread):
         self.expected: set[str] = set()  # P: transfers announced by the engine, prefill not done yet
         self.peers: dict[str, str] = {}  # engine id -> nixl peer name
         self.first_tokens: dict[str, int | None] = {}
-        self.cancelled: dict[str, str] = {}  # P: transfer id -> reason, cancelled before any record
+        self.cancelled: dict[str, tuple[str, float]] = {}  # P: id -> (reason, when), cancelled before any record
         self.reg_times: dict[str, float] = {}  # P: when each PushReg arrived (for the breakdown)
         self._live = False  # some ledger record is not terminal (refreshed on every change)
         self._stopping = threading.Event()  # not `_stop`: that name is Thread's own
@@ -277,6 +279,8 @@ class TransferWorker(threading.Thread):
         self._send(cmd.peer.engine_id, reg)
 
     def _read(self, cmd: Read) -> None:
+        if cmd.lease_expiry is not None and time.time() > cmd.lease_expiry - LEASE_MARGIN_S:
+            raise TransferError("P's lease on the blocks expired before D could read them")
         peer = self._ensure_peer(cmd.peer)
         self.ledger.register(cmd.transfer_id, cmd.request_id, cmd.local_ids, cmd.deadline,
                              peer_engine_id=cmd.peer.engine_id, remote_block_ids=cmd.remote_ids,
@@ -290,7 +294,7 @@ class TransferWorker(threading.Thread):
         rec = self.ledger.get(cmd.transfer_id)
         if rec is None:
             if self.side is Side.PREFILL:  # aborted before D registered: answer its PushReg with Fail
-                self.cancelled[cmd.transfer_id] = cmd.reason
+                self.cancelled[cmd.transfer_id] = (cmd.reason, time.monotonic())
                 self._send_if_known(cmd.peer_engine_id, pr.Fail.create(cmd.transfer_id, cmd.reason))
             return
         if not rec.is_terminal:
@@ -376,7 +380,7 @@ class TransferWorker(threading.Thread):
             return
         engine_id = self._engine_of(peer_name)
         if isinstance(msg, pr.PushReg) and msg.transfer_id in self.cancelled:
-            self._send(engine_id, pr.Fail.create(msg.transfer_id, self.cancelled.pop(msg.transfer_id)))
+            self._send(engine_id, pr.Fail.create(msg.transfer_id, self.cancelled.pop(msg.transfer_id)[0]))
             return
         before = self.ledger.get(msg.transfer_id)
         rec = self.ledger.on_notification(msg, engine_id)
@@ -421,6 +425,8 @@ class TransferWorker(threading.Thread):
         if freed:
             self.emit(FreeBlocks(freed))
         self.ledger.gc()
+        for tid in [t for t, (_, when) in self.cancelled.items() if now - when > CANCELLED_TTL_S]:
+            del self.cancelled[tid]
         return bool(expired or freed)
 
     def _expired(self, rec: TransferRecord) -> None:
