@@ -96,7 +96,8 @@ class ProxyConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     kv_mode: KVMode = KVMode.PUSH
-    first_token: FirstToken = FirstToken.RECOMPUTE
+    # P's sampled token is D's first output: TTFT does not wait for a step on D (SGLang's choice).
+    first_token: FirstToken = FirstToken.FROM_PREFILL
     policy: str = "round-robin"  # round-robin | least-loaded
     api_key: str | None = None
     instance_api_key: str | None = None  # sent to the prefill and decode instances
