@@ -12,6 +12,7 @@ from dataclasses import fields
 from kvpush.config import (
     CacheConfig,
     EngineConfig,
+    Faults,
     FirstToken,
     KVMode,
     ModelConfig,
@@ -26,7 +27,7 @@ from kvpush.config import (
 from kvpush.errors import KVPushError
 
 PRESETS = ("tiny", "small", "bench")
-FAULTS = ("corrupt-kv",)
+
 
 
 def _default(cls, name: str):
@@ -94,19 +95,27 @@ def add_transfer_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-secret", default=None, help="shared secret authenticating handshakes (HMAC)")
     g.add_argument("--kv-lease-s", type=float, default=_default(TransferConfig, "kv_lease_s"))
     g.add_argument("--kv-timeout-s", type=float, default=_default(TransferConfig, "kv_timeout_s"))
+    g.add_argument("--kv-quarantine-s", type=float, default=_default(TransferConfig, "kv_quarantine_s"))
     g.add_argument("--on-kv-failure", default=_default(TransferConfig, "on_kv_failure").value,
                    choices=[m.value for m in OnKVFailure])
-    g.add_argument("--fault-inject", action="append", default=[], choices=list(FAULTS),
-                   help="testing only: inject a fault (repeatable)")
+    g.add_argument("--fault-inject", action="append", default=[], metavar="NAME[:VALUE]",
+                   help=f"testing only, repeatable: {', '.join(Faults.NAMES)}")
 
 
 def transfer_config_from_args(args: argparse.Namespace) -> TransferConfig:
-    if args.kv_lease_s <= 0 or args.kv_timeout_s <= 0:
-        raise SystemExit("kvpush: --kv-lease-s and --kv-timeout-s must be positive")
+    if args.kv_lease_s <= 0 or args.kv_timeout_s <= 0 or args.kv_quarantine_s < 0:
+        raise SystemExit("kvpush: --kv-lease-s and --kv-timeout-s must be positive, --kv-quarantine-s >= 0")
     return TransferConfig(kv_mode=KVMode(args.kv_mode), kv_port=args.kv_port, kv_host=args.kv_host,
-                          kv_advertise_host=args.kv_advertise_host,
+                          kv_advertise_host=args.kv_advertise_host, kv_quarantine_s=args.kv_quarantine_s,
                           kv_secret=args.kv_secret, kv_lease_s=args.kv_lease_s, kv_timeout_s=args.kv_timeout_s,
-                          on_kv_failure=OnKVFailure(args.on_kv_failure), fault_inject=tuple(args.fault_inject))
+                          on_kv_failure=OnKVFailure(args.on_kv_failure), faults=_faults(args.fault_inject))
+
+
+def _faults(specs: list[str]) -> Faults:
+    try:
+        return Faults.parse(specs)
+    except ValueError as e:
+        raise SystemExit(f"kvpush: --fault-inject: {e}") from e
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

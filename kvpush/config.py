@@ -76,6 +76,45 @@ class ServerConfig:
 
 
 @dataclass(frozen=True)
+class Faults:
+    """Faults an instance injects into its own KV path (testing only; all off by default).
+
+    Given on the command line as `--fault-inject NAME[:VALUE]`, e.g. `drop-notif:0.05`.
+    """
+
+    corrupt_kv: bool = False  # D perturbs the first block it received (wrong KV must change output)
+    drop_notif: float = 0.0  # probability that a control notification (or a WRITE's Done) is dropped
+    delay_notif_s: float = 0.0  # every standalone control notification is sent this much later
+    fail_post: float = 0.0  # probability that posting a WRITE or READ fails
+    delay_prefill_s: float = 0.0  # P admits each request only this long after it arrived
+    seed: int = 0
+
+    NAMES = ("corrupt-kv", "drop-notif", "delay-notif", "fail-post", "delay-prefill", "fault-seed")
+
+    @classmethod
+    def parse(cls, specs: list[str] | tuple[str, ...]) -> Faults:
+        """From NAME[:VALUE] strings; ValueError names the bad one."""
+        values: dict[str, float | bool | int] = {}
+        for spec in specs:
+            name, _, raw = spec.partition(":")
+            if name not in cls.NAMES:
+                raise ValueError(f"unknown fault {name!r}; known: {', '.join(cls.NAMES)}")
+            if name == "corrupt-kv":
+                values["corrupt_kv"] = True
+                continue
+            try:
+                value = float(raw)
+            except ValueError as e:
+                raise ValueError(f"fault {name!r} needs a number, as in {name}:0.1") from e
+            if value < 0 or (name in ("drop-notif", "fail-post") and value > 1):
+                raise ValueError(f"fault {name!r}: {value} is out of range")
+            key = {"delay-notif": "delay_notif_s", "delay-prefill": "delay_prefill_s", "fault-seed": "seed"}.get(
+                name, name.replace("-", "_"))
+            values[key] = int(value) if key == "seed" else value
+        return cls(**values)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
 class TransferConfig:
     kv_mode: KVMode = KVMode.PUSH
     kv_port: int = 0  # 0: pick a free port
@@ -84,9 +123,12 @@ class TransferConfig:
     kv_secret: str | None = None
     kv_lease_s: float = 30.0
     kv_timeout_s: float = 30.0
+    # D keeps the blocks of a failed transfer out of use this long past its deadline unless the
+    # peer confirms nothing is in flight (it only has to cover how long a posted WRITE can take).
+    kv_quarantine_s: float = 10.0
     on_kv_failure: OnKVFailure = OnKVFailure.ERROR
-    # Fault injection for tests, off unless named: "corrupt-kv" (D perturbs the first received block).
-    fault_inject: tuple[str, ...] = ()
+    # Fault injection for tests, off unless given: see Faults.
+    faults: Faults = field(default_factory=lambda: Faults())
 
 
 @dataclass(frozen=True)

@@ -77,3 +77,25 @@ def module_server(request, tmp_path_factory):
         yield proc
     finally:
         proc.stop()
+
+
+@pytest.fixture(scope="session")
+def reference(tiny_model):
+    """Greedy outputs of the colocated offline engine (token strings and text) for a prompt."""
+    from kvpush_testing import BS, MAX_TOKENS
+
+    from kvpush import LLM, SamplingParams
+    from kvpush.tokenizer import Tokenizer
+
+    llm = LLM(tiny_model, block_size=BS, num_blocks=512)
+    tok = Tokenizer.from_pretrained(tiny_model)
+    cache: dict[tuple[int, ...], tuple[list[str], str]] = {}
+
+    def ref(prompt: list[int], max_tokens: int = MAX_TOKENS) -> tuple[list[str], str]:
+        key = (*prompt, -max_tokens)
+        if key not in cache:
+            out = llm.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))[0]
+            cache[key] = ([tok.decode([t], skip_special_tokens=False) for t in out.token_ids], out.text)
+        return cache[key]
+
+    return ref

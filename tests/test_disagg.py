@@ -7,97 +7,12 @@ D, or taken from P), so every mode x first-token combination runs against the sa
 from __future__ import annotations
 
 import json
-import urllib.error
 import urllib.request
 
 import pytest
-
-from kvpush.launch import ServerProcess, free_port
+from kvpush_testing import BS, MAX_TOKENS, Cluster, completion, metric, prompt_of
 
 pytestmark = pytest.mark.integration
-BS = 8
-SERVE = ["--block-size", str(BS), "--num-blocks", "512", "--torch-threads", "1"]
-MAX_TOKENS = 8
-
-
-def post(url: str, body: dict, timeout: float = 60) -> tuple[int, dict]:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
-
-
-def metric(url: str, name: str) -> float:
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
-        for line in r.read().decode().splitlines():
-            if line.startswith(name + " ") or line.startswith(name + "{"):
-                return float(line.rsplit(" ", 1)[1])
-    raise KeyError(name)
-
-
-def completion(url: str, prompt: list[int], max_tokens: int = MAX_TOKENS) -> tuple[list[str], str, dict]:
-    status, out = post(url + "/v1/completions", {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                                                 "ignore_eos": True, "logprobs": 0})
-    assert status == 200, out
-    choice = out["choices"][0]
-    return choice["logprobs"]["tokens"], choice["text"], out["usage"]
-
-
-class Cluster:
-    def __init__(self, model: str, mode: str, log_dir, prefill: int = 1, decode: int = 1,
-                 extra_decode: tuple[str, ...] = ()) -> None:
-        self.procs: list[ServerProcess] = []
-        self.prefills = [self._serve(model, "prefill", mode, log_dir, ()) for _ in range(prefill)]
-        self.decodes = [self._serve(model, "decode", mode, log_dir, extra_decode) for _ in range(decode)]
-        self.mode = mode
-        self.log_dir = log_dir
-
-    def _serve(self, model: str, role: str, mode: str, log_dir, extra: tuple[str, ...]) -> ServerProcess:
-        port = free_port()
-        proc = ServerProcess(["serve", model, "--port", str(port), "--role", role, "--kv-mode", mode, *SERVE, *extra],
-                             log_path=str(log_dir / f"{role}-{port}.log"))
-        self.procs.append(proc.start())
-        return proc
-
-    def proxy(self, first_token: str = "recompute", policy: str = "round-robin") -> ServerProcess:
-        port = free_port()
-        argv = ["proxy", "--port", str(port), "--kv-mode", self.mode, "--first-token", first_token, "--policy", policy,
-                "--prefill", *[p.url for p in self.prefills], "--decode", *[d.url for d in self.decodes]]
-        proc = ServerProcess(argv, log_path=str(self.log_dir / f"proxy-{port}.log"))
-        self.procs.append(proc.start())
-        proc.wait_healthy(120)
-        return proc
-
-    def wait(self) -> Cluster:
-        for p in self.procs:
-            p.wait_healthy(120)
-        return self
-
-    def stop(self) -> None:
-        for p in reversed(self.procs):
-            p.stop()
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_model):
-    """Greedy outputs of the colocated offline engine (token strings and text) for a prompt."""
-    from kvpush import LLM, SamplingParams
-    from kvpush.tokenizer import Tokenizer
-
-    llm = LLM(tiny_model, block_size=BS, num_blocks=512)
-    tok = Tokenizer.from_pretrained(tiny_model)
-    cache: dict[tuple[int, ...], tuple[list[str], str]] = {}
-
-    def ref(prompt: list[int], max_tokens: int = MAX_TOKENS) -> tuple[list[str], str]:
-        key = (*prompt, -max_tokens)
-        if key not in cache:
-            out = llm.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))[0]
-            cache[key] = ([tok.decode([t], skip_special_tokens=False) for t in out.token_ids], out.text)
-        return cache[key]
-
-    return ref
 
 
 @pytest.fixture(scope="module", params=["push", "pull"])
@@ -109,10 +24,6 @@ def cluster(request, tiny_model, tmp_path_factory):
         yield c
     finally:
         c.stop()
-
-
-def prompt_of(n: int, seed: int) -> list[int]:
-    return [(seed * 7919 + i * 104729) % 1000 + 3 for i in range(n)]
 
 
 PROMPT_LENGTHS = {"one-token": 1, "one-block": BS, "many-blocks": 6 * BS, "partial-last-block": 3 * BS + 5}

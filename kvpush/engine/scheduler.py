@@ -115,6 +115,8 @@ class Scheduler:
             request = self.waiting[0]
             if admit is not None and not admit(request):
                 break
+            if not self.waiting or self.waiting[0] is not request:
+                continue  # the admission hook finished it (e.g. its KV deadline had passed)
             if request.status is RequestStatus.WAITING_FOR_REMOTE_KV:
                 self.waiting.popleft()  # the admission hook parked it
                 continue

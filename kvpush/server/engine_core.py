@@ -59,6 +59,7 @@ class EngineCore:
         self.last_key: tuple[int, ...] = ()
 
     def run(self) -> None:
+        self._send([])  # the first stats, before any wait: /metrics is complete from the start
         while not self.stopped:
             busy = self.engine.has_unfinished()
             self._drain(0.0 if busy else IDLE_WAIT_S)

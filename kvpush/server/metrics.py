@@ -40,6 +40,8 @@ class TransferCollector(Collector):
                                 value=t.quarantined_blocks)
         yield CounterMetricFamily("kvpush_kv_transfer_thread_cpu_seconds", "CPU time of the transfer thread",
                                   value=t.thread_cpu_s)
+        yield CounterMetricFamily("kvpush_kv_faults_injected", "Faults injected (testing only)",
+                                  value=t.faults_injected)
         if t.time_s is not None:
             yield _histogram("kvpush_kv_transfer_seconds", "Post to completion of posted transfers", t.time_s)
         if t.descs is not None:

@@ -58,6 +58,14 @@ class LegError(Exception):
         self.body = body
 
 
+class PrefillFailed(Exception):
+    """The prefill leg failed on the instance's side (unreachable, 5xx): worth another instance."""
+
+    def __init__(self, error: LegError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
 @dataclass
 class Dispatch:
     prefill: Instance
@@ -129,8 +137,8 @@ class Proxy:
                                                                     info.kv_mode)
 
     # ---- choosing ------------------------------------------------------------------------
-    def pick(self, pool: list[Instance], role: str) -> Instance:
-        healthy = [i for i in pool if i.healthy]
+    def pick(self, pool: list[Instance], role: str, exclude: set[str] | None = None) -> Instance:
+        healthy = [i for i in pool if i.healthy and i.url not in (exclude or ())]
         if not healthy:
             raise web.HTTPServiceUnavailable(reason=f"no healthy {role} instance")
         if self.config.policy == "least-loaded":
@@ -179,8 +187,23 @@ class Proxy:
         return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
+        """Dispatch; a prefill leg that fails before any token reached the client (P unreachable or
+        answering 5xx) is retried on another prefill instance with a fresh transfer_id."""
         body = _parse_body(await request.read())
-        d = Dispatch(self.pick(self.prefills, "prefill"), self.pick(self.decodes, "decode"), pr.new_transfer_id())
+        tried: set[str] = set()
+        while True:
+            d = Dispatch(self.pick(self.prefills, "prefill", exclude=tried), self.pick(self.decodes, "decode"),
+                         pr.new_transfer_id())
+            try:
+                return await self._dispatch(request, body, d)
+            except PrefillFailed as e:
+                tried.add(d.prefill.url)
+                self.metrics.retries.inc()
+                log.warning("prefill %s failed (%s); retrying elsewhere", d.prefill.url, e.error)
+                if not any(i.healthy and i.url not in tried for i in self.prefills):
+                    raise e.error from None
+
+    async def _dispatch(self, request: web.Request, body: dict, d: Dispatch) -> web.StreamResponse:
         d.trace["dispatched"] = time.time()
         d.prefill.in_flight += 1
         d.decode.in_flight += 1
@@ -202,14 +225,17 @@ class Proxy:
         p_task = asyncio.create_task(self._prefill_leg(request.path, body, p_params, d))
         d_task = asyncio.create_task(self._open_decode(request.path, body, d_params, d))
         try:
-            done, _ = await asyncio.wait({p_task, d_task}, return_when=asyncio.FIRST_EXCEPTION)
-            for t in done:
-                t.result()  # a failed leg raises here; the other is cancelled in finally
-            await p_task
-            d_resp = await d_task
+            # D answers once its first token exists. A P leg failing before that cancels D (and may
+            # be retried elsewhere); after it, P's answer only adds its timestamps to the trace.
+            while not d_task.done():
+                await asyncio.wait({p_task, d_task}, return_when=asyncio.FIRST_COMPLETED)
+                if p_task.done() and not d_task.done():
+                    p_task.result()
+            d_resp = d_task.result()
         except BaseException:
             await _cancel(p_task, d_task)
             raise
+        p_task.add_done_callback(_retrieve)
         return await self._relay(request, d_resp, d)
 
     async def _pull(self, request: web.Request, body: dict, d: Dispatch) -> web.StreamResponse:
@@ -230,10 +256,17 @@ class Proxy:
     async def _prefill_leg(self, path: str, body: dict, params: pr.PrefillLegParams, d: Dispatch) -> pr.PrefillResult:
         assert self.session is not None
         leg = prefill_body(body, pr.params_to_dict(params))
-        async with self.session.post(d.prefill.url + path, json=leg) as r:
-            data = await r.read()
-            if r.status != 200:
-                raise LegError(r.status, data)
+        try:
+            async with self.session.post(d.prefill.url + path, json=leg) as r:
+                data = await r.read()
+                if r.status >= 500:
+                    raise PrefillFailed(LegError(r.status, data))
+                if r.status != 200:
+                    raise LegError(r.status, data)
+        except aiohttp.ClientError as e:
+            d.prefill.healthy = False  # the prober brings it back when it answers again
+            message = f"prefill instance {d.prefill.url} unreachable: {e}"
+            raise PrefillFailed(LegError(502, json.dumps(R.error_body(502, message)).encode())) from e
         d.trace["p_response"] = time.time()
         try:
             choice = json.loads(data)["choices"][0]
@@ -247,7 +280,12 @@ class Proxy:
                            d: Dispatch) -> aiohttp.ClientResponse:
         assert self.session is not None
         leg = dict(body, kv_transfer_params=pr.params_to_dict(params))
-        resp = await self.session.post(d.decode.url + path, json=leg)
+        try:
+            resp = await self.session.post(d.decode.url + path, json=leg)
+        except aiohttp.ClientError as e:
+            d.decode.healthy = False
+            message = f"decode instance {d.decode.url} unreachable: {e}"
+            raise LegError(502, json.dumps(R.error_body(502, message)).encode()) from e
         if resp.status != 200:
             data = await resp.read()
             resp.release()
@@ -325,6 +363,12 @@ def _merge_trace_line(line: bytes, trace: dict[str, float]) -> bytes:
     return b"data: " + _merge_trace_json(line[6:].strip(), trace) + b"\n"
 
 
+def _retrieve(task: asyncio.Task) -> None:
+    """A P leg that ends after D already answered: its outcome no longer matters to the client."""
+    if not task.cancelled() and task.exception() is not None:
+        log.info("prefill leg ended after decode answered: %s", task.exception())
+
+
 async def _cancel(*tasks: asyncio.Task) -> None:
     for t in tasks:
         t.cancel()
@@ -333,7 +377,7 @@ async def _cancel(*tasks: asyncio.Task) -> None:
             resp = await t
             if isinstance(resp, aiohttp.ClientResponse):
                 resp.close()
-        except (TimeoutError, asyncio.CancelledError, LegError, aiohttp.ClientError):
+        except (TimeoutError, asyncio.CancelledError, LegError, PrefillFailed, aiohttp.ClientError):
             pass  # the failure that made us cancel is reported by the caller
 
 

@@ -9,6 +9,8 @@ class ProxyMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
         self.requests = Counter("kvpush_proxy_requests", "Requests answered, by HTTP status", ["status"], registry=r)
+        self.retries = Counter("kvpush_proxy_prefill_retries", "Requests re-dispatched after a prefill failure",
+                               registry=r)
         self.healthy = Gauge("kvpush_proxy_instance_healthy", "1 if the instance answers its probes",
                              ["role", "url"], registry=r)
         self.in_flight = Gauge("kvpush_proxy_instance_in_flight", "Requests in flight per instance",

@@ -46,6 +46,9 @@ class DecodeState:
     deadline: float
     admitted: bool = False
     pending: bool = False  # the transfer is under way (registered or read posted, no outcome yet)
+    lease_until: float | None = None  # pull: P's lease on its blocks, as renewed by us
+    lease_s: float = 0.0  # how long each renewal extends P's lease
+    renewed_at: float = 0.0
     need_len: int = 0  # prompt tokens whose KV D must hold before decoding
     transfer_blocks: tuple[int, ...] = ()
 
@@ -76,13 +79,20 @@ class DecodeConnector(KVConnector):
         if params.num_tokens is not None and params.num_tokens != request.num_prompt_tokens:
             raise InvalidRequestError(f"prefill computed {params.num_tokens} tokens but this request has "
                                       f"{request.num_prompt_tokens}", param="kv_transfer_params")
-        request.kv_state = DecodeState(params, deadline=time.time() + self.config.kv_timeout_s)
+        now = time.time()
+        # Pull: P said how long it holds the blocks; push: P's lease starts when its prefill ends, so
+        # D assumes the deployment's --kv-lease-s (set it alike on P and D).
+        lease_s = params.lease_expiry - now if params.lease_expiry is not None else self.config.kv_lease_s
+        request.kv_state = DecodeState(params, deadline=now + self.config.kv_timeout_s,
+                                       lease_until=params.lease_expiry, lease_s=max(lease_s, 0.1), renewed_at=now)
 
     # ---- admission -----------------------------------------------------------------------
     def admit(self, request: Request) -> bool:
         st = request.kv_state
         if not isinstance(st, DecodeState) or st.admitted:
             return True
+        if time.time() >= st.deadline:
+            return self._late(request, st)
         bm, bs, n = self.engine.block_manager, self.engine.block_manager.block_size, request.num_prompt_tokens
         st.need_len = n if self._from_prefill(st) else n - 1
         hits = bm.find_cached_prefix_tokens(request.prompt_token_ids[: st.need_len])
@@ -100,6 +110,27 @@ class DecodeConnector(KVConnector):
             self._nothing_to_receive(request, st)
         return True
 
+    def _late(self, request: Request, st: DecodeState) -> bool:
+        """The KV deadline passed while the request waited for blocks: give P its blocks back and
+        compute locally or fail, as --on-kv-failure says."""
+        self.runtime.worker.submit(SendNotif(st.peer, pr.Abort(st.params.transfer_id)))
+        if self.config.on_kv_failure is OnKVFailure.RECOMPUTE:
+            self.fallbacks += 1
+            request.kv_state = None
+            return True
+        self.engine.abort_request(request.request_id, RequestStatus.FINISHED_ERROR,
+                                  "KV transfer from prefill failed: deadline passed before decode capacity was free")
+        return True
+
+    def _renew_leases(self) -> None:
+        """Requests still waiting for blocks keep P's copy of their KV alive (LeaseRenew)."""
+        now = time.time()
+        for request in self.engine.scheduler.waiting:
+            st = request.kv_state
+            if isinstance(st, DecodeState) and not st.admitted and now - st.renewed_at > st.lease_s / 3:
+                st.renewed_at, st.lease_until = now, now + st.lease_s
+                self.runtime.worker.submit(SendNotif(st.peer, pr.LeaseRenew(st.params.transfer_id, now + st.lease_s)))
+
     def _from_prefill(self, st: DecodeState) -> bool:
         return st.params.first_token is FirstToken.FROM_PREFILL
 
@@ -112,9 +143,9 @@ class DecodeConnector(KVConnector):
                                             first * bs, request.num_prompt_tokens, st.deadline)
         else:
             remote = tuple((p.block_ids or [])[first : first + len(st.transfer_blocks)])
-            deadline = min(st.deadline, p.lease_expiry or st.deadline)
+            deadline = min(st.deadline, st.lease_until or st.deadline)
             cmd = Read(p.transfer_id, request.request_id, st.peer, st.transfer_blocks, remote,
-                       request.num_prompt_tokens, deadline, p.lease_expiry)
+                       request.num_prompt_tokens, deadline, st.lease_until)
         self.runtime.worker.submit(cmd)
 
     def _nothing_to_receive(self, request: Request, st: DecodeState) -> None:
@@ -126,6 +157,7 @@ class DecodeConnector(KVConnector):
 
     # ---- events --------------------------------------------------------------------------
     def poll(self) -> list[Request]:
+        self._renew_leases()
         out: list[Request] = []
         for event in self.runtime.drain_events():
             if isinstance(event, FreeBlocks):
@@ -154,7 +186,7 @@ class DecodeConnector(KVConnector):
         st.pending = False
         request.trace.update(event.trace)
         request.trace["d_ready"] = time.time()
-        if "corrupt-kv" in self.config.fault_inject:
+        if self.config.faults.corrupt_kv:
             self.engine.cache.kv[st.transfer_blocks[0]].add_(1.0)  # testing only: wrong KV must change output
         request.num_computed_tokens = st.need_len
         scheduler = self.engine.scheduler

@@ -68,6 +68,10 @@ class PrefillConnector(KVConnector):
         if params.mode is KVMode.PUSH:
             self.runtime.worker.submit(Expect(params.transfer_id))
 
+    def admit(self, request: Request) -> bool:
+        delay = self.config.faults.delay_prefill_s
+        return delay <= 0 or time.time() >= request.trace.get("arrived", 0.0) + delay
+
     def on_finished(self, request: Request) -> bool:
         st = request.kv_state
         if not isinstance(st, PrefillState):

@@ -55,7 +55,8 @@ class TransferRuntime:
         # The compat hash covers the transfer mode, so push and pull instances never pair up.
         fields = (model_identity(model_id), dtype, layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.block_size,
                   config.kv_mode.value)
-        self.side_channel = SideChannelServer(config.kv_host, config.kv_port, self._on_handshake)
+        self.side_channel = SideChannelServer(config.kv_host, config.kv_port, self._on_handshake,
+                                              on_reject=self._count_rejected)
         self.info = HandshakeInfo(
             engine_id=self.engine_id, role=role, agent_name=self.engine_id, agent_metadata=self.agent.metadata(),
             base_address=geometry.base_addr, num_blocks=geometry.num_blocks, num_layers=geometry.num_layers,
@@ -63,7 +64,9 @@ class TransferRuntime:
             memory_type=geometry.memory_type, device_id=geometry.device_id,
             compat_hash=compat_hash(*fields), compat_summary=compat_summary(*fields))
         side = Side.PREFILL if role is Role.PREFILL else Side.DECODE
-        self.worker = TransferWorker(side, self.agent, self.info, config.kv_secret, self._emit, layout.block_size)
+        self.worker = TransferWorker(side, self.agent, self.info, config.kv_secret, self._emit, layout.block_size,
+                                     faults=config.faults)
+        self.worker.ledger.quarantine_s = config.kv_quarantine_s
 
     @property
     def kv_address(self) -> str:
@@ -81,6 +84,9 @@ class TransferRuntime:
         self.worker.start()
         self.side_channel.start()
         return self
+
+    def _count_rejected(self) -> None:
+        self.worker.metrics.handshake_failures += 1
 
     def _on_handshake(self, frame: bytes) -> bytes:
         return self.worker.handle_handshake(frame)

@@ -65,7 +65,8 @@ class SideChannelServer:
     """Serves `handler(frame) -> answer` on host:port in a background thread. A handler raising
     HandshakeError answers with an error frame; the connection is then closed."""
 
-    def __init__(self, host: str, port: int, handler: Handler, timeout_s: float = 10.0) -> None:
+    def __init__(self, host: str, port: int, handler: Handler, timeout_s: float = 10.0,
+                 on_reject: Callable[[], None] | None = None) -> None:
         outer = self
 
         class _Handle(socketserver.BaseRequestHandler):
@@ -75,6 +76,7 @@ class SideChannelServer:
         self.handler = handler
         self.timeout_s = timeout_s
         self.rejected = 0
+        self.on_reject = on_reject or (lambda: None)
         socketserver.ThreadingTCPServer.allow_reuse_address = True
         self.server = socketserver.ThreadingTCPServer((host, port), _Handle)
         self.server.daemon_threads = True
@@ -95,13 +97,17 @@ class SideChannelServer:
             try:
                 answer = self.handler(frame)
             except HandshakeError as e:
-                self.rejected += 1
+                self._reject()
                 log.warning("side channel: rejected a handshake: %s", e)
                 answer = ERROR_PREFIX + str(e).encode()
             send_frame(sock, answer)
         except (OSError, ConnectionError, HandshakeError) as e:
-            self.rejected += 1
+            self._reject()
             log.warning("side channel: bad connection: %s", e)
+
+    def _reject(self) -> None:
+        self.rejected += 1
+        self.on_reject()
 
     def close(self) -> None:
         self.server.shutdown()

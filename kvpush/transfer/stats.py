@@ -48,6 +48,7 @@ class TransferStats(msgspec.Struct):
     handshake_failures: int = 0
     quarantined_blocks: int = 0
     thread_cpu_s: float = 0.0
+    faults_injected: int = 0
 
 
 class TransferMetrics:
@@ -62,6 +63,7 @@ class TransferMetrics:
         self.handshakes = 0
         self.handshake_failures = 0
         self.thread_cpu_s = 0.0
+        self.faults_injected = 0
 
     def observe(self, transfer) -> None:
         finished = transfer.finished_at or transfer.posted_at
@@ -85,4 +87,5 @@ class TransferMetrics:
             ignored_unknown=c.ignored_unknown, ignored_stale=c.ignored_stale, ignored_foreign=c.ignored_foreign,
             ignored_unexpected=c.ignored_unexpected, duplicates=c.duplicates, bad_messages=self.bad_messages,
             handshakes=self.handshakes, handshake_failures=self.handshake_failures,
-            quarantined_blocks=len(ledger.quarantined_blocks()), thread_cpu_s=self.thread_cpu_s)
+            quarantined_blocks=len(ledger.quarantined_blocks()), thread_cpu_s=self.thread_cpu_s,
+            faults_injected=self.faults_injected)

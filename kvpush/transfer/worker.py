@@ -18,13 +18,16 @@ outstanding; when idle it blocks on its command queue and checks notifications a
 
 from __future__ import annotations
 
+import heapq
 import logging
 import queue
+import random
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
+from kvpush.config import Faults
 from kvpush.errors import HandshakeError, TransferError
 from kvpush.transfer import protocol as pr
 from kvpush.transfer.commands import (
@@ -50,7 +53,8 @@ from kvpush.transfer.stats import TransferMetrics
 
 log = logging.getLogger("kvpush.transfer")
 IDLE_WAIT_S = 0.2
-MAX_BACKOFF_S = 0.0005
+MAX_BACKOFF_S = 0.0005  # something latency-critical is outstanding: poll at least this often
+RELAXED_POLL_S = 0.001  # waiting on a prefill (P's own, or D's peer's): notifications may arrive
 HOUSEKEEPING_S = 0.01
 LEASE_MARGIN_S = 0.5  # D does not start a READ this close to the end of P's lease
 CANCELLED_TTL_S = 300.0
@@ -58,7 +62,8 @@ CANCELLED_TTL_S = 300.0
 
 class TransferWorker(threading.Thread):
     def __init__(self, side: Side, agent: NixlTransferAgent, info: HandshakeInfo, secret: str | None,
-                 emit: Callable[[Event], None], block_size: int, handshake_timeout_s: float = 5.0) -> None:
+                 emit: Callable[[Event], None], block_size: int, handshake_timeout_s: float = 5.0,
+                 faults: Faults | None = None) -> None:
         super().__init__(name=f"kvpush-transfer-{side.value}", daemon=True)
         self.side = side
         self.block_size = block_size
@@ -77,6 +82,11 @@ class TransferWorker(threading.Thread):
         self.cancelled: dict[str, tuple[str, float]] = {}  # P: id -> (reason, when), cancelled before any record
         self.reg_times: dict[str, float] = {}  # P: when each PushReg arrived (for the breakdown)
         self._live = False  # some ledger record is not terminal (refreshed on every change)
+        self._urgent = False  # some live record is latency-critical
+        self.faults = faults or Faults()
+        self._rng = random.Random(f"{self.faults.seed}-{info.engine_id}")
+        self.delayed: list[tuple[float, int, str, pr.Message]] = []  # heap of notifications to send later
+        self._delay_seq = 0
         self._stopping = threading.Event()  # not `_stop`: that name is Thread's own
         self._last_housekeeping = 0.0
 
@@ -105,31 +115,45 @@ class TransferWorker(threading.Thread):
         backoff = 0.0
         cpu0 = time.thread_time()
         while not self._stopping.is_set():
-            busy = self._busy()
+            cap = self._poll_cap()
+            busy = cap is not None
             try:
                 progressed = self._drain(None if busy else IDLE_WAIT_S)
                 progressed |= self._poll_posted()
                 progressed |= self._poll_notifs()
                 progressed |= self._housekeeping()
+                progressed |= self._send_delayed()
             except (TransferError, ValueError) as e:  # never let one bad transfer stop the thread
                 log.error("transfer thread: %s", e)
                 progressed = True
             if progressed:
                 self._refresh_live()
             self.metrics.thread_cpu_s = time.thread_time() - cpu0
-            if progressed or not busy:
+            if progressed or cap is None:
                 backoff = 0.0
             else:
-                backoff = min(MAX_BACKOFF_S, backoff * 2 or 0.00002)
+                backoff = min(cap, backoff * 2 or 0.00002)
                 time.sleep(backoff)
         self.agent.close()
 
-    def _busy(self) -> bool:
-        return bool(self.posted or self.expected or self._live)
+    def _poll_cap(self) -> float | None:
+        """Longest sleep between polls: None when idle (block on the command queue instead).
+
+        Tight while a transfer is posted or a finished prefill waits for its registration; relaxed
+        (1 ms) while a prefill is still running (P's own, or the one D registered with), so that
+        polling does not steal CPU and the GIL from the forward passes on a small machine."""
+        if self.posted or self.delayed or self._urgent:
+            return MAX_BACKOFF_S
+        if self.expected or self._live:
+            return RELAXED_POLL_S
+        return None
 
     def _refresh_live(self) -> None:
         counts = self.ledger.count_by_state()
-        self._live = any(n for state, n in counts.items() if not state.is_terminal)
+        live = {state for state, n in counts.items() if n and not state.is_terminal}
+        self._live = bool(live)
+        # A REGISTERED record waits for a prefill to finish (P: its own; D: its peer's).
+        self._urgent = bool(live - {S.REGISTERED})
 
     def _drain(self, wait_s: float | None) -> bool:
         progressed = False
@@ -212,6 +236,33 @@ class TransferWorker(threading.Thread):
                 self.agent.remove_peer(name)
 
     def _send(self, engine_id: str, msg: pr.Message) -> None:
+        if self._fault(self.faults.drop_notif):
+            self.metrics.faults_injected += 1
+            return
+        if self.faults.delay_notif_s > 0:
+            self._delay_seq += 1
+            heapq.heappush(self.delayed, (time.monotonic() + self.faults.delay_notif_s, self._delay_seq,
+                                          engine_id, msg))
+            return
+        self._send_now(engine_id, msg)
+
+    def _send_delayed(self) -> bool:
+        now, sent = time.monotonic(), False
+        while self.delayed and self.delayed[0][0] <= now:
+            _, _, engine_id, msg = heapq.heappop(self.delayed)
+            self._send_now(engine_id, msg)
+            sent = True
+        return sent
+
+    def _fault(self, probability: float) -> bool:
+        return probability > 0 and self._rng.random() < probability
+
+    def _check_post_fault(self, op: str) -> None:
+        if self._fault(self.faults.fail_post):
+            self.metrics.faults_injected += 1
+            raise TransferError(f"injected fault: {op} post failed")
+
+    def _send_now(self, engine_id: str, msg: pr.Message) -> None:
         name = self.peers.get(engine_id)
         if name is None:
             log.info("no connection to %s; %s not sent", engine_id, type(msg).__name__)
@@ -252,6 +303,10 @@ class TransferWorker(threading.Thread):
             raise TransferError(f"registration from {rec.peer_engine_id}, which never completed a handshake")
         if len(local) < len(remote):
             raise TransferError(f"D registered {len(remote)} blocks but P holds {len(local)} after the prefix")
+        self._check_post_fault("WRITE")
+        if self._fault(self.faults.drop_notif):
+            self.metrics.faults_injected += 1
+            done = b""  # the WRITE lands but D never hears of it: D's deadline must handle it
         self._track(rec, self.agent.write(peer, local, remote, done))
 
     def _track(self, rec: TransferRecord, transfer: Transfer) -> None:
@@ -282,6 +337,7 @@ class TransferWorker(threading.Thread):
         if cmd.lease_expiry is not None and time.time() > cmd.lease_expiry - LEASE_MARGIN_S:
             raise TransferError("P's lease on the blocks expired before D could read them")
         peer = self._ensure_peer(cmd.peer)
+        self._check_post_fault("READ")
         self.ledger.register(cmd.transfer_id, cmd.request_id, cmd.local_ids, cmd.deadline,
                              peer_engine_id=cmd.peer.engine_id, remote_block_ids=cmd.remote_ids,
                              num_tokens=cmd.num_tokens)
