@@ -112,7 +112,10 @@ class ServerProcess:
 
 
 def _die_with_parent() -> None:
-    """In the child, before exec: get SIGTERM when the parent dies (Linux), so no orphan survives."""
+    """In the child, before exec: get SIGTERM when the parent dies (Linux), so no orphan survives.
+
+    The kernel ties this to the *thread* that forked the child: start servers from a thread that
+    lives as long as they should (the main thread), not from a short-lived worker thread."""
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except OSError:

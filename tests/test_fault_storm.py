@@ -61,7 +61,7 @@ async def storm(c: Cluster, url: str, prompts: list[list[int]]) -> list[tuple[st
             if i == 60:
                 await asyncio.to_thread(victim.kill)
             if i == 130:
-                new = await asyncio.to_thread(c.restart, victim)
+                new = c.restart(victim)  # from the main thread: children die with the thread that made them
                 await asyncio.to_thread(new.wait_healthy, 120)
             try:
                 results[i] = await one(session, url, prompts[i], i in disconnects)

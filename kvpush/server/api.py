@@ -12,7 +12,8 @@ import hmac
 import itertools
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
 
 from aiohttp import web
 
@@ -151,25 +152,30 @@ class OpenAIServer:
             return R.json_response(R.completion(rid, self.model_name, states, self.tokenizer, want_lp))
         stream = LazyStream(request)
         try:
-            async for i, ev in self._merge(states, params, body.kv_transfer_params):
-                await stream.write(R.completion_chunk(rid, self.model_name, i, ev, states[i], self.tokenizer,
-                                                      want_lp))
+            async with aclosing(self._merge(states, params, body.kv_transfer_params)) as events:
+                async for i, ev in events:
+                    await stream.write(R.completion_chunk(rid, self.model_name, i, ev, states[i], self.tokenizer,
+                                                          want_lp))
         except EngineRequestError as e:
             return await stream.fail(e)
+        except ConnectionResetError:
+            return stream.gone()
         return await self._end_stream(stream, rid, "text_completion", states, body.include_usage)
 
     async def _merge(self, states: list[GenState], params: SamplingParams,
-                     kv: dict | None) -> AsyncIterator[tuple[int, GenEvent]]:
+                     kv: dict | None) -> AsyncGenerator[tuple[int, GenEvent], None]:
         if len(states) == 1:
-            async for ev in self.generator.stream(states[0], params, kv):
-                yield 0, ev
+            async with aclosing(self.generator.stream(states[0], params, kv)) as events:
+                async for ev in events:
+                    yield 0, ev
             return
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(i: int) -> None:
             try:
-                async for ev in self.generator.stream(states[i], params, kv):
-                    await queue.put((i, ev))
+                async with aclosing(self.generator.stream(states[i], params, kv)) as events:
+                    async for ev in events:
+                        await queue.put((i, ev))
             except EngineRequestError as e:
                 await queue.put((i, e))
             await queue.put((i, None))
@@ -211,12 +217,15 @@ class OpenAIServer:
             return R.json_response(R.chat_completion(rid, self.model_name, state, self.tokenizer, want_lp))
         stream = LazyStream(request, R.chat_chunk(rid, self.model_name, {"role": "assistant", "content": ""}))
         try:
-            async for ev in self.generator.stream(state, params, body.kv_transfer_params):
-                lp = R.chat_logprobs(self.tokenizer, ev.logprobs) if want_lp else None
-                delta = {"content": ev.text} if ev.text or ev.finish_reason is None else {}
-                await stream.write(R.chat_chunk(rid, self.model_name, delta, ev.finish_reason, lp, state))
+            async with aclosing(self.generator.stream(state, params, body.kv_transfer_params)) as events:
+                async for ev in events:
+                    lp = R.chat_logprobs(self.tokenizer, ev.logprobs) if want_lp else None
+                    delta = {"content": ev.text} if ev.text or ev.finish_reason is None else {}
+                    await stream.write(R.chat_chunk(rid, self.model_name, delta, ev.finish_reason, lp, state))
         except EngineRequestError as e:
             return await stream.fail(e)
+        except ConnectionResetError:
+            return stream.gone()
         return await self._end_stream(stream, rid, "chat.completion.chunk", [state], body.include_usage)
 
 
@@ -248,6 +257,10 @@ class LazyStream:
         await self.resp.write(R.SSE_DONE)
         await self.resp.write_eof()
         return self.resp
+
+    def gone(self) -> web.StreamResponse:
+        """The client went away mid-stream; its engine requests were aborted on the way out."""
+        return self.resp or web.Response(status=499)
 
     async def close(self) -> web.StreamResponse:
         resp = self.resp or await self._start()

@@ -8,7 +8,8 @@ A caller that stops iterating (client gone) aborts the engine request in `finall
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
 from dataclasses import dataclass, field
 
 from kvpush.engine.sampling_params import SamplingParams
@@ -57,7 +58,7 @@ class Generator:
         self.metrics = metrics
 
     async def stream(self, state: GenState, params: SamplingParams,
-                     kv_transfer_params: dict | None = None) -> AsyncIterator[GenEvent]:
+                     kv_transfer_params: dict | None = None) -> AsyncGenerator[GenEvent, None]:
         """Yield text events until the request finishes. Raises EngineRequestError on failure."""
         queue = self.engine.add(m.AddRequest(state.request_id, state.prompt_token_ids, params, kv_transfer_params))
         detok = IncrementalDetokenizer(self.tokenizer, list(params.stop))
@@ -101,6 +102,7 @@ class Generator:
         self.metrics.observe_request(ttft, now - start, len(state.token_ids), state.finish_reason or "abort")
 
     async def run(self, state: GenState, params: SamplingParams, kv_transfer_params: dict | None = None) -> GenState:
-        async for _ in self.stream(state, params, kv_transfer_params):
-            pass
+        async with aclosing(self.stream(state, params, kv_transfer_params)) as events:
+            async for _ in events:
+                pass
         return state

@@ -343,7 +343,11 @@ class TransferWorker(threading.Thread):
                              num_tokens=cmd.num_tokens)
         rec = self.ledger.get(cmd.transfer_id)
         assert rec is not None
-        self._track(rec, self.agent.read(peer, cmd.local_ids, cmd.remote_ids, pr.encode(pr.ReadDone(cmd.transfer_id))))
+        notif = pr.encode(pr.ReadDone(cmd.transfer_id))
+        if self._fault(self.faults.drop_notif):
+            self.metrics.faults_injected += 1
+            notif = b""  # P never hears that the READ ended: its lease must free the blocks
+        self._track(rec, self.agent.read(peer, cmd.local_ids, cmd.remote_ids, notif))
 
     def _cancel(self, cmd: Cancel) -> None:
         self.expected.discard(cmd.transfer_id)
