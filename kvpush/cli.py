@@ -158,8 +158,15 @@ def cmd_up(args: argparse.Namespace, serve_args: list[str]) -> int:
 
     if args.prefill < 1 or args.decode < 1:
         raise SystemExit("kvpush up: --prefill and --decode must be at least 1")
+    if args.link_gbps is not None and not args.link_gbps > 0:
+        raise SystemExit("kvpush up: --link-gbps must be positive")
     proxy_args = ["--first-token", args.first_token, "--policy", args.policy]
-    return run_up(args.model, args.prefill, args.decode, args.kv_mode, args.port, serve_args, proxy_args)
+    try:
+        return run_up(args.model, args.prefill, args.decode, args.kv_mode, args.port, serve_args, proxy_args,
+                      link_gbps=args.link_gbps)
+    except KVPushError as e:  # e.g. --link-gbps without root or iproute2
+        print(f"kvpush up: error: {e}", file=sys.stderr)
+        return 2
 
 
 def up_parser() -> argparse.ArgumentParser:
@@ -173,6 +180,8 @@ def up_parser() -> argparse.ArgumentParser:
     p.add_argument("--first-token", default=_default(ProxyConfig, "first_token").value,
                    choices=[m.value for m in FirstToken])
     p.add_argument("--policy", default=_default(ProxyConfig, "policy"), choices=["round-robin", "least-loaded"])
+    p.add_argument("--link-gbps", type=float, default=None, metavar="G",
+                   help="root only: run P and D in two network namespaces joined by a link of G Gbit/s each way")
     return p
 
 

@@ -20,6 +20,12 @@ class Role(StrEnum):
 class KVMode(StrEnum):
     PULL = "pull"
     PUSH = "push"
+    PUSH_LAYERWISE = "push-layerwise"
+
+    @property
+    def is_push(self) -> bool:
+        """Both legs dispatched at once, D registers, P writes (whole request or layer by layer)."""
+        return self is not KVMode.PULL
 
 
 class FirstToken(StrEnum):

@@ -15,9 +15,11 @@ from kvpush_testing import BS, MAX_TOKENS, Cluster, completion, metric, prompt_o
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture(scope="module", params=["push", "pull"])
+@pytest.fixture(scope="module", params=["push", "pull", "push-layerwise"])
 def cluster(request, tiny_model, tmp_path_factory):
-    c = Cluster(tiny_model, request.param, tmp_path_factory.mktemp(f"logs-{request.param}"))
+    # P prefills in chunks of 16 tokens: multi-chunk prompts (layer-wise push writes per chunk and layer)
+    c = Cluster(tiny_model, request.param, tmp_path_factory.mktemp(f"logs-{request.param}"),
+                extra_prefill=("--max-num-batched-tokens", "16"))
     try:
         c.wait()
         c.proxies = {ft: c.proxy(ft) for ft in ("recompute", "from-prefill")}  # type: ignore[attr-defined]
@@ -49,7 +51,7 @@ def test_prefix_cache_hits_on_decode(cluster, reference, first_token):
     # A full hit: D holds every block it needs (recompute: the first n-1 tokens; pull from-prefill: all n,
     # P's first token came with its PrefillResult). Push from-prefill always receives the last block,
     # since P's first token travels with the WRITE's notification.
-    push_from_prefill = first_token == "from-prefill" and cluster.mode == "push"
+    push_from_prefill = first_token == "from-prefill" and cluster.mode != "pull"
     full = base + [7] if first_token == "recompute" else base
     bytes_before = metric(cluster.decodes[0].url, "kvpush_kv_transfer_bytes_total")
     tokens, text, usage = completion(url, full)
@@ -125,5 +127,22 @@ def test_2p2d_spreads_requests(tiny_model, reference, tmp_path, mode):
             assert metric(inst.url, "kvpush_generation_tokens_total") > 0, inst.url
         for p in c.prefills:
             assert metric(p.url, "kvpush_kv_blocks_used") == 0
+    finally:
+        c.stop()
+
+
+@pytest.mark.parametrize("first_token", ["recompute", "from-prefill"])
+def test_layerwise_registration_after_prefill_started(tiny_model, reference, tmp_path, first_token):
+    """D's PushReg is held back 300 ms while P prefills in 8-token chunks: P's writer must catch up
+    from the layers already finished, and D must see the exact KV (outputs equal colocated)."""
+    c = Cluster(tiny_model, "push-layerwise", tmp_path, extra_prefill=("--max-num-batched-tokens", "8"),
+                extra_decode=("--fault-inject", "delay-notif:0.3"))
+    try:
+        c.wait()
+        proxy = c.proxy(first_token)
+        for n in (BS - 3, 5 * BS, 7 * BS + 2):
+            prompt = prompt_of(n, 300 + n)
+            assert completion(proxy.url, prompt)[:2] == reference(prompt)
+        assert metric(c.prefills[0].url, "kvpush_kv_blocks_used") == 0
     finally:
         c.stop()

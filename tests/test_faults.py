@@ -310,3 +310,23 @@ def test_bad_http_input_at_proxy(make_cluster):
     assert raw(json.dumps({"prompt": "x", "temperature": -1}).encode()) == 400
     assert raw(json.dumps({"input": "x"}).encode(), "/v1/embeddings") == 404
     assert all_free(*c.prefills, *c.decodes)
+
+
+# ---- the remaining fault knobs ---------------------------------------------------------------
+@pytest.mark.parametrize("mode, where, fault", [
+    ("push", "prefill", "fail-post:1.0"),  # P's WRITE post fails: P tells D (Fail), D recomputes
+    ("pull", "decode", "fail-post:1.0"),  # D's READ post fails: D recomputes, P's lease frees its copy
+    ("push", "decode", "delay-notif:0.3"),  # D's PushReg arrives late: the transfer still completes
+])
+def test_fault_knobs_keep_outputs_exact(make_cluster, reference, mode, where, fault):
+    fault_args = ("--fault-inject", fault)
+    c = make_cluster(mode, extra_prefill=("--kv-lease-s", "2", *(fault_args if where == "prefill" else ())),
+                     extra_decode=(*FAST, "--on-kv-failure", "recompute", *(fault_args if where == "decode" else ())))
+    proxy = c.proxy()
+    for i in range(3):
+        prompt = prompt_of(2 * BS + 3 * i, 40 + i)
+        assert completion(proxy.url, prompt)[:2] == reference(prompt)
+    injected = metrics_all((c.prefills if where == "prefill" else c.decodes)[0].url)
+    assert injected.get("kvpush_kv_faults_injected_total", 0) >= 1 or fault.startswith("delay")
+    wait_for(lambda: all_free(*c.prefills, *c.decodes), 15, "all blocks free")
+    wait_for(lambda: no_live_transfers(*c.prefills, *c.decodes), 10, "no live transfer")

@@ -137,6 +137,8 @@ class LLMEngine:
         outputs += [self._last_output(r) for r in polled]
         if out.empty:
             return outputs
+        if self.connector is not None:
+            self.connector.before_forward(out.scheduled)
         sampled = self.runner.execute(out.scheduled)
         self.step_count += 1
         for request in self.scheduler.update(out, sampled):

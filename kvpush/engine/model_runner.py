@@ -5,6 +5,8 @@ Owns the model weights and the KV cache of the instance. Called only from the en
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from kvpush.engine.request import Request
@@ -21,6 +23,8 @@ class ModelRunner:
         self.device = device
         self.block_size = cache.layout.block_size
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
+        # Called after each layer of the next forward (set per step by a layer-wise KV connector).
+        self.layer_hook: Callable[[int], None] | None = None
 
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Request, int]]) -> dict[str, int]:
@@ -32,7 +36,7 @@ class ModelRunner:
         rows = torch.tensor([meta.query_starts[i] + meta.query_lens[i] - 1 for i in finishing], device=self.device)
         if not finishing:
             rows = rows.long()  # nothing to sample, but the KV still has to be written
-        logits = self.model(ids, positions, meta, self.cache, rows)  # [S, vocab]
+        logits = self.model(ids, positions, meta, self.cache, rows, self.layer_hook)  # [S, vocab]
         requests = [scheduled[i][0] for i in finishing]
         tokens = sample(logits.cpu(), requests, self.generator)
         return {r.request_id: t for r, t in zip(requests, tokens, strict=True)}

@@ -6,6 +6,8 @@ loader maps Hugging Face tensor names onto them. Qwen3 adds per-head RMSNorm on 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -77,10 +79,14 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
 
-    def forward(self, input_ids, positions, meta: AttentionMetadata, cache: KVCache) -> torch.Tensor:
+    def forward(self, input_ids, positions, meta: AttentionMetadata, cache: KVCache,
+                layer_hook: Callable[[int], None] | None = None) -> torch.Tensor:
+        """layer_hook(l) runs right after layer l wrote its K/V to the cache (layer-wise push)."""
         x = self.embed_tokens(input_ids)  # [T, hidden]
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             x = layer(x, positions, self.rotary, meta, cache)
+            if layer_hook is not None:
+                layer_hook(i)
         return self.norm(x)
 
 
@@ -93,7 +99,8 @@ class CausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids, positions, meta: AttentionMetadata, cache: KVCache, logit_rows: torch.Tensor):
+    def forward(self, input_ids, positions, meta: AttentionMetadata, cache: KVCache, logit_rows: torch.Tensor,
+                layer_hook: Callable[[int], None] | None = None):
         """input_ids, positions: [T]; logit_rows: [S] rows whose logits are wanted -> [S, vocab] fp32."""
-        hidden = self.model(input_ids, positions, meta, cache)
+        hidden = self.model(input_ids, positions, meta, cache, layer_hook)
         return self.lm_head(hidden[logit_rows]).float()

@@ -208,7 +208,7 @@ class Proxy:
         d.prefill.in_flight += 1
         d.decode.in_flight += 1
         try:
-            if self.config.kv_mode is KVMode.PUSH:
+            if self.config.kv_mode.is_push:
                 return await self._push(request, body, d)
             return await self._pull(request, body, d)
         finally:
@@ -219,7 +219,7 @@ class Proxy:
 
     # ---- the two flows -------------------------------------------------------------------
     async def _push(self, request: web.Request, body: dict, d: Dispatch) -> web.StreamResponse:
-        p_params = pr.PrefillLegParams(transfer_id=d.transfer_id, mode=KVMode.PUSH,
+        p_params = pr.PrefillLegParams(transfer_id=d.transfer_id, mode=self.config.kv_mode,
                                        decode_engine_id=d.decode.engine_id)
         d_params = self._decode_params(d, None)
         p_task = asyncio.create_task(self._prefill_leg(request.path, body, p_params, d))
@@ -250,7 +250,7 @@ class Proxy:
             return result.to_decode_leg(first)
         p = d.prefill
         assert p.kv_host is not None and p.kv_port is not None
-        return pr.DecodeLegParams(transfer_id=d.transfer_id, mode=KVMode.PUSH, prefill_engine_id=p.engine_id,
+        return pr.DecodeLegParams(transfer_id=d.transfer_id, mode=self.config.kv_mode, prefill_engine_id=p.engine_id,
                                   prefill_kv_host=p.kv_host, prefill_kv_port=p.kv_port, first_token=first)
 
     async def _prefill_leg(self, path: str, body: dict, params: pr.PrefillLegParams, d: Dispatch) -> pr.PrefillResult:

@@ -13,13 +13,21 @@ import signal
 import sys
 import tempfile
 import threading
+from typing import TYPE_CHECKING
 
 from kvpush.launch import ServerProcess, free_port
+
+if TYPE_CHECKING:
+    from kvpush.netlink import RateLimitedLink
 
 
 class Deployment:
     def __init__(self, model: str, num_prefill: int, num_decode: int, kv_mode: str, port: int,
-                 serve_args: list[str], proxy_args: list[str], log_dir: str | None = None) -> None:
+                 serve_args: list[str], proxy_args: list[str], log_dir: str | None = None,
+                 link: RateLimitedLink | None = None) -> None:
+        """With `link`, prefill instances run in link.ns_p, decode instances and the proxy in link.ns_d,
+        KV moves over UCX/TCP across the shaped veth, and `url` is the proxy's address on ns_d's
+        link to the root namespace."""
         self.log_dir = log_dir or tempfile.mkdtemp(prefix="kvpush-up-")
         os.makedirs(self.log_dir, exist_ok=True)
         self.instances: list[ServerProcess] = []
@@ -27,12 +35,24 @@ class Deployment:
         for role, n in (("prefill", num_prefill), ("decode", num_decode)):
             for i in range(n):
                 argv = ["serve", model, "--port", str(free_port()), "--role", role, "--kv-mode", kv_mode, *serve_args]
-                server = ServerProcess(argv, log_path=os.path.join(self.log_dir, f"{role}-{i}.log"))
+                log_path = os.path.join(self.log_dir, f"{role}-{i}.log")
+                if link is None:
+                    server = ServerProcess(argv, log_path=log_path)
+                else:  # --link-gbps: this instance lives in its role's namespace
+                    ns = link.ns_p if role == "prefill" else link.ns_d
+                    host = link.host(ns)
+                    server = ServerProcess([*argv, "--host", host, "--kv-host", host], host=host, log_path=log_path,
+                                           prefix=link.wrap(ns, []),
+                                           env={"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": link.device(ns)})
                 self.instances.append(server)
                 urls[role].append(server.url)
         proxy_argv = ["proxy", "--port", str(port), "--kv-mode", kv_mode, "--prefill", *urls["prefill"],
                       "--decode", *urls["decode"], *proxy_args]
-        self.proxy = ServerProcess(proxy_argv, log_path=os.path.join(self.log_dir, "proxy.log"))
+        if link is None:
+            self.proxy = ServerProcess(proxy_argv, log_path=os.path.join(self.log_dir, "proxy.log"))
+        else:  # in ns_d: reaches D locally, P over the link, and the root namespace reaches it
+            self.proxy = ServerProcess([*proxy_argv, "--host", link.host_d_root], host=link.host_d_root,
+                                       log_path=os.path.join(self.log_dir, "proxy.log"), prefix=link.wrap(link.ns_d, []))
 
     @property
     def url(self) -> str:
@@ -67,12 +87,29 @@ class Deployment:
 
 
 def run_up(model: str, num_prefill: int, num_decode: int, kv_mode: str, port: int, serve_args: list[str],
-           proxy_args: list[str]) -> int:
+           proxy_args: list[str], link_gbps: float | None = None) -> int:
+    link = None
+    if link_gbps is not None:  # P and D on two "hosts" joined by a link of link_gbps each way
+        from kvpush.netlink import LinkConfig, RateLimitedLink, require_root
+
+        require_root()
+        link = RateLimitedLink(LinkConfig(gbps=link_gbps)).start()
+    try:
+        return _run_up(model, num_prefill, num_decode, kv_mode, port, serve_args, proxy_args, link)
+    finally:
+        if link is not None:
+            link.close()
+
+
+def _run_up(model: str, num_prefill: int, num_decode: int, kv_mode: str, port: int, serve_args: list[str],
+            proxy_args: list[str], link: RateLimitedLink | None) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    dep = Deployment(model, num_prefill, num_decode, kv_mode, port, serve_args, proxy_args)
+    dep = Deployment(model, num_prefill, num_decode, kv_mode, port, serve_args, proxy_args, link=link)
     print(f"kvpush up: starting {num_prefill}P{num_decode}D ({kv_mode}); logs in {dep.log_dir}", flush=True)
+    if link is not None:
+        print(f"kvpush up: link {link.describe()}", flush=True)
     dep.start()
     print(f"kvpush up: ready: {dep.url}", flush=True)
     code = 0

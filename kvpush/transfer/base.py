@@ -40,6 +40,11 @@ class KVConnector(ABC):
         allocating its blocks: the scheduler then moves on to the next waiting request."""
         return True
 
+    def before_forward(self, scheduled: list[tuple[Request, int]]) -> None:
+        """Called with each step's batch right before the forward pass (layer-wise push installs a
+        per-layer hook on the model runner here). Must not block."""
+        return None
+
     def on_finished(self, request: Request) -> bool:
         """Called when the request leaves the scheduler, before its blocks are freed. Returns True if
         the connector took over the request's blocks (then `request.block_table` is emptied by it)."""

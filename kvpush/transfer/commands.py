@@ -29,6 +29,14 @@ class Expect:
 
 
 @dataclass(frozen=True)
+class LayersDone:
+    """P (layer-wise): the forward pass finished `layer` for these (transfer, block indices, block ids)."""
+
+    layer: int
+    items: tuple[tuple[str, tuple[int, ...], tuple[int, ...]], ...]
+
+
+@dataclass(frozen=True)
 class Hold:
     """P: prefill finished; the transfer thread owns these blocks until it emits FreeBlocks for them."""
 

@@ -96,7 +96,7 @@ class DecodeConnector(KVConnector):
         bm, bs, n = self.engine.block_manager, self.engine.block_manager.block_size, request.num_prompt_tokens
         st.need_len = n if self._from_prefill(st) else n - 1
         hits = bm.find_cached_prefix_tokens(request.prompt_token_ids[: st.need_len])
-        if st.params.mode is KVMode.PUSH and st.need_len == n:
+        if st.params.mode.is_push and st.need_len == n:
             hits = hits[: (n - 1) // bs]  # P's first token rides on Done: leave at least one block to push
         if not bm.allocate(request, n - len(hits) * bs, hits):
             return False
@@ -138,7 +138,7 @@ class DecodeConnector(KVConnector):
         p, bs = st.params, self.engine.block_manager.block_size
         self.engine.scheduler.park_remote(request)
         st.pending = True
-        if p.mode is KVMode.PUSH:
+        if p.mode.is_push:
             cmd: Register | Read = Register(p.transfer_id, request.request_id, st.peer, st.transfer_blocks,
                                             first * bs, request.num_prompt_tokens, st.deadline)
         else:

@@ -21,7 +21,7 @@ from kvpush.engine.request import Request, RequestStatus
 from kvpush.errors import InvalidRequestError
 from kvpush.transfer import protocol as pr
 from kvpush.transfer.base import KVConnector
-from kvpush.transfer.commands import Cancel, Expect, FreeBlocks, Hold
+from kvpush.transfer.commands import Cancel, Expect, FreeBlocks, Hold, LayersDone
 from kvpush.transfer.runtime import TransferRuntime
 from kvpush.transfer.stats import TransferStats
 
@@ -29,6 +29,7 @@ from kvpush.transfer.stats import TransferStats
 @dataclass
 class PrefillState:
     params: pr.PrefillLegParams
+    handed: int = 0  # layer-wise: blocks [0, handed) were handed to the writer (every layer)
 
 
 def parse_params(kv: dict | None, cls, mode: KVMode, role: str):
@@ -65,8 +66,28 @@ class PrefillConnector(KVConnector):
         params = parse_params(kv_transfer_params, pr.PrefillLegParams, self.runtime.mode, "prefill")
         request.sampling_params = msgspec.structs.replace(request.sampling_params, max_tokens=1, min_tokens=0)
         request.kv_state = PrefillState(params)
-        if params.mode is KVMode.PUSH:
+        if params.mode.is_push:
             self.runtime.worker.submit(Expect(params.transfer_id))
+
+    def before_forward(self, scheduled: list[tuple[Request, int]]) -> None:
+        """Layer-wise push: after each layer, hand the writer the blocks this chunk completes (the last
+        chunk also its partial last block). What was handed over is never handed again."""
+        if self.runtime.mode is not KVMode.PUSH_LAYERWISE:
+            return
+        bs = self.engine.block_manager.block_size
+        items = []
+        for request, n in scheduled:
+            st = request.kv_state
+            if not isinstance(st, PrefillState):
+                continue
+            end = request.num_computed_tokens + n
+            last = -(-end // bs) if end >= request.num_prompt_tokens else end // bs
+            if last > st.handed:
+                indices = tuple(range(st.handed, last))
+                items.append((st.params.transfer_id, indices, tuple(request.block_table[i] for i in indices)))
+                st.handed = last
+        submit, batch = self.runtime.worker.submit, tuple(items)
+        self.engine.runner.layer_hook = (lambda layer: submit(LayersDone(layer, batch))) if batch else None
 
     def admit(self, request: Request) -> bool:
         delay = self.config.faults.delay_prefill_s

@@ -107,7 +107,7 @@ class PrefillLegParams(msgspec.Struct, tag=True, frozen=True, kw_only=True):
 
     def __post_init__(self) -> None:
         _check_transfer_id(self.transfer_id)
-        if self.mode is KVMode.PUSH:
+        if self.mode.is_push:
             _require(self.decode_engine_id is not None, "push mode needs decode_engine_id")
         if self.decode_engine_id is not None:
             _check_engine_id(self.decode_engine_id, "decode_engine_id")
@@ -309,9 +309,12 @@ class ReadDone(msgspec.Struct, tag=True, frozen=True, array_like=True):
 
 
 class Commit(msgspec.Struct, tag=True, frozen=True, array_like=True):
-    """P -> D (layer-wise push, not used yet): the layers written so far are complete."""
+    """P -> D (layer-wise push): every layer of every block D registered has landed; like Done."""
 
     transfer_id: str
+    first_token_id: int | None = None
+    reg_received: float | None = None
+    write_posted: float | None = None
 
     def __post_init__(self) -> None:
         _check_transfer_id(self.transfer_id)

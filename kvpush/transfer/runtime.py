@@ -65,7 +65,7 @@ class TransferRuntime:
             compat_hash=compat_hash(*fields), compat_summary=compat_summary(*fields))
         side = Side.PREFILL if role is Role.PREFILL else Side.DECODE
         self.worker = TransferWorker(side, self.agent, self.info, config.kv_secret, self._emit, layout.block_size,
-                                     faults=config.faults)
+                                     faults=config.faults, layerwise=config.kv_mode is KVMode.PUSH_LAYERWISE)
         self.worker.ledger.quarantine_s = config.kv_quarantine_s
 
     @property

@@ -39,12 +39,14 @@ from kvpush.transfer.commands import (
     Hold,
     KVFailed,
     KVReady,
+    LayersDone,
     PeerAddr,
     Read,
     Register,
     SendNotif,
 )
 from kvpush.transfer.handshake import HandshakeInfo, pack, verify_and_decode
+from kvpush.transfer.layerwise import LayerwiseTransfer, LayerwiseWriter
 from kvpush.transfer.ledger import LedgerError, Side, TransferLedger, TransferRecord
 from kvpush.transfer.ledger import TransferState as S
 from kvpush.transfer.nixl_agent import KVGeometry, NixlTransferAgent, Transfer, TransferState
@@ -63,7 +65,7 @@ CANCELLED_TTL_S = 300.0
 class TransferWorker(threading.Thread):
     def __init__(self, side: Side, agent: NixlTransferAgent, info: HandshakeInfo, secret: str | None,
                  emit: Callable[[Event], None], block_size: int, handshake_timeout_s: float = 5.0,
-                 faults: Faults | None = None) -> None:
+                 faults: Faults | None = None, layerwise: bool = False) -> None:
         super().__init__(name=f"kvpush-transfer-{side.value}", daemon=True)
         self.side = side
         self.block_size = block_size
@@ -87,6 +89,8 @@ class TransferWorker(threading.Thread):
         self._rng = random.Random(f"{self.faults.seed}-{info.engine_id}")
         self.delayed: list[tuple[float, int, str, pr.Message]] = []  # heap of notifications to send later
         self._delay_seq = 0
+        geometry = agent.geometry
+        self.layerwise = LayerwiseWriter(agent, geometry.num_layers) if layerwise and geometry else None
         self._stopping = threading.Event()  # not `_stop`: that name is Thread's own
         self._last_housekeeping = 0.0
 
@@ -176,6 +180,8 @@ class TransferWorker(threading.Thread):
     def _dispatch(self, cmd: object) -> None:
         if isinstance(cmd, Expect):
             self.expected.add(cmd.transfer_id)
+        elif isinstance(cmd, LayersDone):
+            self._layers_done(cmd)
         elif isinstance(cmd, Hold):
             self._hold(cmd)
         elif isinstance(cmd, Register):
@@ -286,10 +292,71 @@ class TransferWorker(threading.Thread):
     def _after_p_update(self, rec: TransferRecord | None) -> None:
         if rec is None:
             return
-        if rec.state is S.MATCHED:
+        if self.layerwise is not None and not rec.is_terminal:
+            self._layerwise_update(rec)
+        elif rec.state is S.MATCHED:
             self._post_write(rec)
-        elif rec.is_terminal and rec.has_local and rec.transfer_id not in self.posted:
+        elif rec.is_terminal and rec.has_local and not self._posting(rec.transfer_id):
             self._free_p(rec)
+
+    def _posting(self, tid: str) -> bool:
+        """Some WRITE or READ of ours for this transfer is still in flight."""
+        return tid in self.posted or (self.layerwise is not None and self.layerwise.in_flight(tid))
+
+    # ---- P side, layer-wise --------------------------------------------------------------
+    def _layers_done(self, cmd: LayersDone) -> None:
+        assert self.layerwise is not None
+        for tid, indices, block_ids in cmd.items:
+            self.layerwise.layers_done(tid, cmd.layer, indices, block_ids)
+            self.layerwise.post_ready(tid)
+
+    def _layerwise_update(self, rec: TransferRecord) -> None:
+        """Registration known: post what is finished; prefill done too (MATCHED): mark POSTED."""
+        assert self.layerwise is not None
+        t = self.layerwise.get(rec.transfer_id)
+        if rec.has_remote and t.remote is None:
+            peer = self.peers.get(rec.peer_engine_id or "")
+            if peer is None:
+                raise TransferError(f"registration from {rec.peer_engine_id}, which never completed a handshake")
+            self.layerwise.registered(rec.transfer_id, peer, list(rec.remote_block_ids),
+                                      rec.num_prefix_tokens // self.block_size)
+            self.reg_times.setdefault(rec.transfer_id, time.time())
+        if rec.state is S.MATCHED:
+            t.prefill_done = True
+            self._check_post_fault("WRITE")
+            self.ledger.mark_posted(rec.transfer_id)
+        self.layerwise.post_ready(rec.transfer_id)
+        self._layerwise_settled(rec.transfer_id)
+
+    def _layerwise_settled(self, tid: str) -> None:
+        """All posted layer writes ended: fail, or commit once everything D needs has landed."""
+        assert self.layerwise is not None
+        t, rec = self.layerwise.transfers.get(tid), self.ledger.get(tid)
+        if t is None or rec is None or t.in_flight:
+            return
+        if rec.is_terminal:
+            if rec.has_local:
+                self._free_p(rec)
+                if rec.peer_engine_id:  # the failure was held back while layer writes were in flight
+                    self._send(rec.peer_engine_id, pr.Fail.create(tid, rec.error or "layer writes ended"))
+            else:
+                self.layerwise.drop(tid)
+            return
+        if t.failed:
+            self._fail(rec, t.failed, tell_peer=True)
+        elif t.complete() and rec.state is S.POSTED:
+            self._commit(rec, t)
+
+    def _commit(self, rec: TransferRecord, t: LayerwiseTransfer) -> None:
+        assert rec.peer_engine_id is not None and self.layerwise is not None
+        self._send(rec.peer_engine_id, pr.Commit(rec.transfer_id, self.first_tokens.get(rec.transfer_id),
+                                                 reg_received=self.reg_times.get(rec.transfer_id),
+                                                 write_posted=time.time()))
+        self.metrics.received(t.num_bytes)  # counted when the whole transfer landed
+        self.metrics.descs.observe(float(t.num_descs))
+        rec = self.ledger.mark_done(rec.transfer_id)
+        self.layerwise.drop(rec.transfer_id)
+        self._free_p(rec)
 
     def _post_write(self, rec: TransferRecord) -> None:
         skip = rec.num_prefix_tokens // self.block_size
@@ -318,6 +385,8 @@ class TransferWorker(threading.Thread):
             self._fail(rec, f"posted too late: {e}", tell_peer=True)
 
     def _free_p(self, rec: TransferRecord) -> None:
+        if self.layerwise is not None:
+            self.layerwise.drop(rec.transfer_id)
         self.first_tokens.pop(rec.transfer_id, None)
         self.reg_times.pop(rec.transfer_id, None)
         if rec.local_block_ids:
@@ -375,6 +444,9 @@ class TransferWorker(threading.Thread):
             del self.posted[tid]
             self.agent.release(transfer)
             self._finished(tid, transfer, state)
+        for tid in self.layerwise.poll() if self.layerwise is not None else []:
+            progressed = True
+            self._layerwise_settled(tid)
         return progressed
 
     def _finished(self, tid: str, transfer: Transfer, state: TransferState) -> None:
@@ -409,7 +481,7 @@ class TransferWorker(threading.Thread):
     def _tell_peer_failed(self, rec: TransferRecord, reason: str) -> None:
         """Fail (P) / Abort (D) promise the peer that nothing of ours is in flight: while our WRITE is,
         P's message waits for the WRITE to end (`_finished` sends it)."""
-        if not rec.peer_engine_id or (self.side is Side.PREFILL and rec.transfer_id in self.posted):
+        if not rec.peer_engine_id or (self.side is Side.PREFILL and self._posting(rec.transfer_id)):
             return
         msg = pr.Fail.create(rec.transfer_id, reason) if self.side is Side.PREFILL else pr.Abort(rec.transfer_id)
         self._send(rec.peer_engine_id, msg)
@@ -418,7 +490,7 @@ class TransferWorker(threading.Thread):
         """A record just became FAILED or EXPIRED (not DONE)."""
         self.reg_times.pop(rec.transfer_id, None)
         if self.side is Side.PREFILL:
-            if rec.has_local and rec.transfer_id not in self.posted:
+            if rec.has_local and not self._posting(rec.transfer_id):
                 self._free_p(rec)
         else:
             self.emit(KVFailed(rec.transfer_id, rec.request_id or "", rec.error or "transfer failed"))
@@ -439,6 +511,9 @@ class TransferWorker(threading.Thread):
                 log.warning("bad control message from %s: %s", peer_name, e)
             return
         engine_id = self._engine_of(peer_name)
+        if isinstance(msg, pr.Commit) and self.side is Side.DECODE:  # layer-wise: the last layer landed
+            msg = pr.Done(msg.transfer_id, msg.first_token_id, reg_received=msg.reg_received,
+                          write_posted=msg.write_posted)
         if isinstance(msg, pr.PushReg) and msg.transfer_id in self.cancelled:
             self._send(engine_id, pr.Fail.create(msg.transfer_id, self.cancelled.pop(msg.transfer_id)[0]))
             return
