@@ -146,6 +146,15 @@ class OpenAIServer:
         self._admit(len(ids))
         rid = self._new_id("cmpl")
         states = [GenState(f"{rid}-{i}", p) for i, p in enumerate(ids)]
+        for s in states:
+            self.generator.submit(s, params, body.kv_transfer_params)
+        try:
+            return await self._completions(request, body, rid, states, params)
+        finally:
+            self.generator.release(states)
+
+    async def _completions(self, request: web.Request, body: CompletionRequest, rid: str, states: list[GenState],
+                           params: SamplingParams) -> web.StreamResponse:
         want_lp = body.logprobs is not None
         if not body.stream:
             await asyncio.gather(*(self.generator.run(s, params, body.kv_transfer_params) for s in states))
@@ -211,6 +220,14 @@ class OpenAIServer:
         self._admit(1)
         rid = self._new_id("chatcmpl")
         state = GenState(rid, ids)
+        self.generator.submit(state, params, body.kv_transfer_params)
+        try:
+            return await self._chat(request, body, rid, state, params)
+        finally:
+            self.generator.release([state])
+
+    async def _chat(self, request: web.Request, body: ChatCompletionRequest, rid: str, state: GenState,
+                    params: SamplingParams) -> web.StreamResponse:
         want_lp = body.logprobs
         if not body.stream:
             await self.generator.run(state, params, body.kv_transfer_params)

@@ -7,6 +7,7 @@ A caller that stops iterating (client gone) aborts the engine request in `finall
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
@@ -49,6 +50,8 @@ class GenState:
     num_cached_tokens: int = 0
     kv_transfer_params: dict | None = None
     trace: dict[str, float] | None = None
+    queue: asyncio.Queue | None = None  # set by submit(): the engine knows the request from then on
+    submitted_at: float = 0.0
 
 
 class Generator:
@@ -57,12 +60,28 @@ class Generator:
         self.tokenizer = tokenizer
         self.metrics = metrics
 
+    def submit(self, state: GenState, params: SamplingParams, kv_transfer_params: dict | None = None) -> None:
+        """Hand the request to the engine now (synchronously, so admission control counts it at once)."""
+        if state.queue is None:
+            state.submitted_at = time.monotonic()
+            state.queue = self.engine.add(m.AddRequest(state.request_id, state.prompt_token_ids, params,
+                                                       kv_transfer_params))
+
+    def release(self, states: list[GenState]) -> None:
+        """Abort submitted requests whose stream never ran to its end (the handler was cancelled)."""
+        for state in states:
+            if state.queue is not None and state.finish_reason is None:
+                self.engine.abort(state.request_id)
+                state.finish_reason = "abort"
+
     async def stream(self, state: GenState, params: SamplingParams,
                      kv_transfer_params: dict | None = None) -> AsyncGenerator[GenEvent, None]:
         """Yield text events until the request finishes. Raises EngineRequestError on failure."""
-        queue = self.engine.add(m.AddRequest(state.request_id, state.prompt_token_ids, params, kv_transfer_params))
+        self.submit(state, params, kv_transfer_params)
+        queue = state.queue
+        assert queue is not None
         detok = IncrementalDetokenizer(self.tokenizer, list(params.stop))
-        start, first = time.monotonic(), None
+        start, first = state.submitted_at, None
         try:
             while state.finish_reason is None:
                 delta = await queue.get()

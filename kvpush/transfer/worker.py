@@ -56,7 +56,7 @@ from kvpush.transfer.stats import TransferMetrics
 log = logging.getLogger("kvpush.transfer")
 IDLE_WAIT_S = 0.2
 MAX_BACKOFF_S = 0.0005  # something latency-critical is outstanding: poll at least this often
-RELAXED_POLL_S = 0.001  # waiting on a prefill (P's own, or D's peer's): notifications may arrive
+RELAXED_POLL_S = 0.001  # D waits for its peer's prefill: the Done may come any time
 HOUSEKEEPING_S = 0.01
 LEASE_MARGIN_S = 0.5  # D does not start a READ this close to the end of P's lease
 CANCELLED_TTL_S = 300.0
@@ -143,13 +143,16 @@ class TransferWorker(threading.Thread):
     def _poll_cap(self) -> float | None:
         """Longest sleep between polls: None when idle (block on the command queue instead).
 
-        Tight while a transfer is posted or a finished prefill waits for its registration; relaxed
-        (1 ms) while a prefill is still running (P's own, or the one D registered with), so that
-        polling does not steal CPU and the GIL from the forward passes on a small machine."""
+        Tight while a transfer is posted or a finished prefill waits for its registration. While
+        P's own prefill runs there is nothing P must react to at once (a PushReg is matched when
+        the prefill ends, which wakes this thread through its command queue), so P stays idle and
+        leaves the CPU and the GIL to the forward pass; D polls every millisecond for its Done."""
         if self.posted or self.delayed or self._urgent:
             return MAX_BACKOFF_S
-        if self.expected or self._live:
+        if self._live and self.side is Side.DECODE:
             return RELAXED_POLL_S
+        if self.layerwise is not None and self.layerwise.transfers:
+            return RELAXED_POLL_S  # layer writes follow the forward pass; registrations may arrive
         return None
 
     def _refresh_live(self) -> None:
