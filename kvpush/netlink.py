@@ -29,6 +29,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 
 from kvpush.errors import KVPushError
@@ -156,8 +157,20 @@ class RateLimitedLink:
                 errors.append(str(e))
         self._created = []
         self._up = False
+        self._wait_routes_gone(5.0)  # the kernel frees a namespace's devices asynchronously
         if errors:
             raise LinkError("; ".join(errors))
+
+    def _routed(self) -> list[str]:
+        routes = _run(["ip", "-4", "route", "show"])
+        return [net for net in (self.config.subnet, self.config.resolved_host_subnet)
+                if re.search(rf"(^|[^0-9.]){re.escape(net)}\.", routes, re.M)]
+
+    def _wait_routes_gone(self, timeout_s: float) -> list[str]:
+        deadline = time.monotonic() + timeout_s
+        while (routed := self._routed()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return routed
 
     def __enter__(self) -> RateLimitedLink:
         return self.start()
@@ -168,11 +181,9 @@ class RateLimitedLink:
     # -- setup ----------------------------------------------------------------------------------------
     def _setup(self) -> None:
         cfg = self.config
-        routes = _run(["ip", "-4", "route", "show"])
-        for net in (cfg.subnet, cfg.resolved_host_subnet):
-            if re.search(rf"(^|[^0-9.]){re.escape(net)}\.", routes, re.M):
-                raise LinkError(f"{net}.0/30 is already routed in the root namespace (another link still up?); "
-                                f"pick another LinkConfig.subnet")
+        for net in self._wait_routes_gone(5.0):  # a link just closed may still be going away
+            raise LinkError(f"{net}.0/30 is already routed in the root namespace (another link still up?); "
+                            f"pick another LinkConfig.subnet")
         for ns in (self.ns_p, self.ns_d):
             _run(["ip", "netns", "add", ns])
             self._created.append(ns)
