@@ -23,8 +23,8 @@ import torch
 
 from kvpush.config import Role
 from kvpush.errors import HandshakeError, TransferError
+from kvpush.transfer import peer_channel as channel_module
 from kvpush.transfer import protocol as pr
-from kvpush.transfer import worker as worker_module
 from kvpush.transfer.commands import (
     AddPeer,
     Cancel,
@@ -694,7 +694,7 @@ def test_reconnect_after_disconnect(pd, monkeypatch):
     p, d = pd
     assert p.worker is not None and d.worker is not None
     # an in-process side channel: D's handshake request goes straight to P's handle_handshake
-    monkeypatch.setattr(worker_module, "side_request", lambda host, port, payload, timeout: (
+    monkeypatch.setattr(channel_module, "side_request", lambda host, port, payload, timeout: (
         p.worker.handle_handshake(payload)))  # type: ignore[union-attr]
     d.agent.disconnect(P_AGENT)
     tid = pr.new_transfer_id()
@@ -718,7 +718,7 @@ def test_in_process_handshake_then_push(cluster, monkeypatch):
         calls.append((host, port))
         return p.worker.handle_handshake(payload)  # type: ignore[union-attr]
 
-    monkeypatch.setattr(worker_module, "side_request", fake_request)
+    monkeypatch.setattr(channel_module, "side_request", fake_request)
     tid = pr.new_transfer_id()
     start_push(p, d, tid, "register_first")
     d.events.wait(KVReady, tid)

@@ -18,7 +18,6 @@ outstanding; when idle it blocks on its command queue and checks notifications a
 
 from __future__ import annotations
 
-import heapq
 import logging
 import queue
 import random
@@ -40,17 +39,16 @@ from kvpush.transfer.commands import (
     KVFailed,
     KVReady,
     LayersDone,
-    PeerAddr,
     Read,
     Register,
     SendNotif,
 )
 from kvpush.transfer.handshake import HandshakeInfo, pack, verify_and_decode
-from kvpush.transfer.layerwise import LayerwiseTransfer, LayerwiseWriter
-from kvpush.transfer.ledger import LedgerError, Side, TransferLedger, TransferRecord
+from kvpush.transfer.layerwise import LayerwiseWriter
+from kvpush.transfer.ledger import Side, TransferLedger, TransferRecord
 from kvpush.transfer.ledger import TransferState as S
-from kvpush.transfer.nixl_agent import KVGeometry, NixlTransferAgent, Transfer, TransferState
-from kvpush.transfer.side_channel import request as side_request
+from kvpush.transfer.nixl_agent import NixlTransferAgent, Transfer, TransferState
+from kvpush.transfer.prefill_steps import PrefillSteps
 from kvpush.transfer.stats import TransferMetrics
 
 log = logging.getLogger("kvpush.transfer")
@@ -62,7 +60,7 @@ LEASE_MARGIN_S = 0.5  # D does not start a READ this close to the end of P's lea
 CANCELLED_TTL_S = 300.0
 
 
-class TransferWorker(threading.Thread):
+class TransferWorker(PrefillSteps):
     def __init__(self, side: Side, agent: NixlTransferAgent, info: HandshakeInfo, secret: str | None,
                  emit: Callable[[Event], None], block_size: int, handshake_timeout_s: float = 5.0,
                  faults: Faults | None = None, layerwise: bool = False) -> None:
@@ -211,189 +209,6 @@ class TransferWorker(threading.Thread):
             elif rec is None and isinstance(cmd, (Register, Read)):
                 self.emit(KVFailed(tid, cmd.request_id, reason))
                 self.emit(FreeBlocks(list(cmd.block_ids if isinstance(cmd, Register) else cmd.local_ids)))
-
-    # ---- peers ---------------------------------------------------------------------------
-    def _add_peer(self, cmd: AddPeer) -> None:
-        self._forget_peer(cmd.info.engine_id, cmd.info.agent_name)
-        name = self.agent.add_peer(cmd.info.agent_metadata, KVGeometry.from_info(cmd.info))
-        self.peers[cmd.info.engine_id] = name
-        self.metrics.handshakes += 1
-        cmd.done.set_result(name)
-
-    def _ensure_peer(self, peer: PeerAddr) -> str:
-        name = self.peers.get(peer.engine_id)
-        if name is not None and self.agent.is_connected(name):
-            return name
-        try:
-            answer = side_request(peer.host, peer.port, pack(self.info, self.secret), self.handshake_timeout_s)
-            info = verify_and_decode(answer, self.secret, self.info.compat_hash,
-                                     expected_compat_summary=self.info.compat_summary,
-                                     expected_engine_id=peer.engine_id)
-        except HandshakeError:
-            self.metrics.handshake_failures += 1
-            raise
-        self._forget_peer(peer.engine_id, info.agent_name)
-        name = self.agent.add_peer(info.agent_metadata, KVGeometry.from_info(info))
-        self.peers[peer.engine_id] = name
-        self.metrics.handshakes += 1
-        return name
-
-    def _forget_peer(self, engine_id: str, agent_name: str) -> None:
-        """Drop a previous connection to the same peer (it disconnected and is handshaking anew)."""
-        for name in {self.peers.pop(engine_id, None), agent_name} - {None}:
-            if name in self.agent.peers():
-                self.agent.remove_peer(name)
-
-    def _send(self, engine_id: str, msg: pr.Message) -> None:
-        if self._fault(self.faults.drop_notif):
-            self.metrics.faults_injected += 1
-            return
-        if self.faults.delay_notif_s > 0:
-            self._delay_seq += 1
-            heapq.heappush(self.delayed, (time.monotonic() + self.faults.delay_notif_s, self._delay_seq,
-                                          engine_id, msg))
-            return
-        self._send_now(engine_id, msg)
-
-    def _send_delayed(self) -> bool:
-        now, sent = time.monotonic(), False
-        while self.delayed and self.delayed[0][0] <= now:
-            _, _, engine_id, msg = heapq.heappop(self.delayed)
-            self._send_now(engine_id, msg)
-            sent = True
-        return sent
-
-    def _fault(self, probability: float) -> bool:
-        return probability > 0 and self._rng.random() < probability
-
-    def _check_post_fault(self, op: str) -> None:
-        if self._fault(self.faults.fail_post):
-            self.metrics.faults_injected += 1
-            raise TransferError(f"injected fault: {op} post failed")
-
-    def _send_now(self, engine_id: str, msg: pr.Message) -> None:
-        name = self.peers.get(engine_id)
-        if name is None:
-            log.info("no connection to %s; %s not sent", engine_id, type(msg).__name__)
-            return
-        try:
-            self.agent.send_notif(name, pr.encode(msg))
-        except TransferError as e:
-            log.warning("notification to %s failed: %s", engine_id, e)
-
-    # ---- P side --------------------------------------------------------------------------
-    def _hold(self, cmd: Hold) -> None:
-        self.expected.discard(cmd.transfer_id)
-        self.first_tokens[cmd.transfer_id] = cmd.first_token_id
-        rec = self.ledger.on_prefill_done(cmd.transfer_id, cmd.request_id, cmd.block_ids, cmd.lease_deadline,
-                                          peer_engine_id=cmd.decode_engine_id, num_tokens=cmd.num_tokens)
-        try:
-            self._after_p_update(rec)
-        except (TransferError, ValueError) as e:
-            self._fail(rec, str(e), tell_peer=True)
-
-    def _after_p_update(self, rec: TransferRecord | None) -> None:
-        if rec is None:
-            return
-        if self.layerwise is not None and not rec.is_terminal:
-            self._layerwise_update(rec)
-        elif rec.state is S.MATCHED:
-            self._post_write(rec)
-        elif rec.is_terminal and rec.has_local and not self._posting(rec.transfer_id):
-            self._free_p(rec)
-
-    def _posting(self, tid: str) -> bool:
-        """Some WRITE or READ of ours for this transfer is still in flight."""
-        return tid in self.posted or (self.layerwise is not None and self.layerwise.in_flight(tid))
-
-    # ---- P side, layer-wise --------------------------------------------------------------
-    def _layers_done(self, cmd: LayersDone) -> None:
-        assert self.layerwise is not None
-        for tid, indices, block_ids in cmd.items:
-            self.layerwise.layers_done(tid, cmd.layer, indices, block_ids)
-            self.layerwise.post_ready(tid)
-
-    def _layerwise_update(self, rec: TransferRecord) -> None:
-        """Registration known: post what is finished; prefill done too (MATCHED): mark POSTED."""
-        assert self.layerwise is not None
-        t = self.layerwise.get(rec.transfer_id)
-        if rec.has_remote and t.remote is None:
-            peer = self.peers.get(rec.peer_engine_id or "")
-            if peer is None:
-                raise TransferError(f"registration from {rec.peer_engine_id}, which never completed a handshake")
-            self.layerwise.registered(rec.transfer_id, peer, list(rec.remote_block_ids),
-                                      rec.num_prefix_tokens // self.block_size)
-            self.reg_times.setdefault(rec.transfer_id, time.time())
-        if rec.state is S.MATCHED:
-            t.prefill_done = True
-            self._check_post_fault("WRITE")
-            self.ledger.mark_posted(rec.transfer_id)
-        self.layerwise.post_ready(rec.transfer_id)
-        self._layerwise_settled(rec.transfer_id)
-
-    def _layerwise_settled(self, tid: str) -> None:
-        """All posted layer writes ended: fail, or commit once everything D needs has landed."""
-        assert self.layerwise is not None
-        t, rec = self.layerwise.transfers.get(tid), self.ledger.get(tid)
-        if t is None or rec is None or t.in_flight:
-            return
-        if rec.is_terminal:
-            if rec.has_local:
-                self._free_p(rec)
-                if rec.peer_engine_id:  # the failure was held back while layer writes were in flight
-                    self._send(rec.peer_engine_id, pr.Fail.create(tid, rec.error or "layer writes ended"))
-            else:
-                self.layerwise.drop(tid)
-            return
-        if t.failed:
-            self._fail(rec, t.failed, tell_peer=True)
-        elif t.complete() and rec.state is S.POSTED:
-            self._commit(rec, t)
-
-    def _commit(self, rec: TransferRecord, t: LayerwiseTransfer) -> None:
-        assert rec.peer_engine_id is not None and self.layerwise is not None
-        self._send(rec.peer_engine_id, pr.Commit(rec.transfer_id, self.first_tokens.get(rec.transfer_id),
-                                                 reg_received=self.reg_times.get(rec.transfer_id),
-                                                 write_posted=time.time()))
-        self.metrics.received(t.num_bytes)  # counted when the whole transfer landed
-        self.metrics.descs.observe(float(t.num_descs))
-        rec = self.ledger.mark_done(rec.transfer_id)
-        self.layerwise.drop(rec.transfer_id)
-        self._free_p(rec)
-
-    def _post_write(self, rec: TransferRecord) -> None:
-        skip = rec.num_prefix_tokens // self.block_size
-        remote = list(rec.remote_block_ids)
-        local = list(rec.local_block_ids[skip : skip + len(remote)])
-        done = pr.encode(pr.Done(rec.transfer_id, self.first_tokens.get(rec.transfer_id),
-                                 reg_received=self.reg_times.pop(rec.transfer_id, None), write_posted=time.time()))
-        assert rec.peer_engine_id is not None
-        peer = self.peers.get(rec.peer_engine_id)
-        if peer is None:
-            raise TransferError(f"registration from {rec.peer_engine_id}, which never completed a handshake")
-        if len(local) < len(remote):
-            raise TransferError(f"D registered {len(remote)} blocks but P holds {len(local)} after the prefix")
-        self._check_post_fault("WRITE")
-        if self._fault(self.faults.drop_notif):
-            self.metrics.faults_injected += 1
-            done = b""  # the WRITE lands but D never hears of it: D's deadline must handle it
-        self._track(rec, self.agent.write(peer, local, remote, done))
-
-    def _track(self, rec: TransferRecord, transfer: Transfer) -> None:
-        """A posted transfer is polled to its end whatever happens to its record meanwhile."""
-        self.posted[rec.transfer_id] = transfer
-        try:
-            self.ledger.mark_posted(rec.transfer_id, num_descs=transfer.num_descs, num_bytes=transfer.num_bytes)
-        except LedgerError as e:  # e.g. the deadline passed during a slow synchronous post
-            self._fail(rec, f"posted too late: {e}", tell_peer=True)
-
-    def _free_p(self, rec: TransferRecord) -> None:
-        if self.layerwise is not None:
-            self.layerwise.drop(rec.transfer_id)
-        self.first_tokens.pop(rec.transfer_id, None)
-        self.reg_times.pop(rec.transfer_id, None)
-        if rec.local_block_ids:
-            self.emit(FreeBlocks(list(rec.local_block_ids)))
 
     # ---- D side --------------------------------------------------------------------------
     def _register(self, cmd: Register) -> None:
