@@ -24,7 +24,6 @@ from kvpush.config import FirstToken, KVMode, OnKVFailure, TransferConfig
 from kvpush.engine.request import Request, RequestStatus, TokenLogprob
 from kvpush.errors import InvalidRequestError
 from kvpush.transfer import protocol as pr
-from kvpush.transfer.base import KVConnector
 from kvpush.transfer.commands import (
     Cancel,
     FreeBlocks,
@@ -36,8 +35,7 @@ from kvpush.transfer.commands import (
     SendNotif,
 )
 from kvpush.transfer.prefill import parse_params
-from kvpush.transfer.runtime import TransferRuntime
-from kvpush.transfer.stats import TransferStats
+from kvpush.transfer.runtime import RuntimeConnector, TransferRuntime
 
 
 @dataclass
@@ -58,19 +56,10 @@ class DecodeState:
         return PeerAddr(p.prefill_engine_id, p.prefill_kv_host, p.prefill_kv_port)
 
 
-class DecodeConnector(KVConnector):
+class DecodeConnector(RuntimeConnector):
     def __init__(self, runtime: TransferRuntime, config: TransferConfig) -> None:
-        self.runtime = runtime
-        self.config = config
+        super().__init__(runtime, config)
         self.fallbacks = 0
-
-    @property
-    def kv_address(self) -> str:
-        return self.runtime.kv_address
-
-    @property
-    def engine_id(self) -> str:
-        return self.runtime.engine_id
 
     def on_add(self, request: Request, kv_transfer_params: dict | None) -> None:
         if kv_transfer_params is None:
@@ -168,9 +157,6 @@ class DecodeConnector(KVConnector):
                 self._failed(event, out)
         return out
 
-    def has_events(self) -> bool:
-        return not self.runtime.events.empty()
-
     def _request_of(self, transfer_id: str, request_id: str) -> tuple[Request, DecodeState] | None:
         request = self.engine.scheduler.remote.get(request_id)
         st = request.kv_state if request is not None else None
@@ -244,8 +230,3 @@ class DecodeConnector(KVConnector):
                                               st.params.prefill_engine_id))
         return False
 
-    def stats(self) -> TransferStats:
-        return self.runtime.worker.stats()
-
-    def shutdown(self) -> None:
-        self.runtime.shutdown()

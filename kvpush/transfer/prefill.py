@@ -20,10 +20,8 @@ from kvpush.config import KVMode, TransferConfig
 from kvpush.engine.request import Request, RequestStatus
 from kvpush.errors import InvalidRequestError
 from kvpush.transfer import protocol as pr
-from kvpush.transfer.base import KVConnector
 from kvpush.transfer.commands import Cancel, Expect, FreeBlocks, Hold, LayersDone
-from kvpush.transfer.runtime import TransferRuntime
-from kvpush.transfer.stats import TransferStats
+from kvpush.transfer.runtime import RuntimeConnector, TransferRuntime
 
 
 @dataclass
@@ -47,20 +45,11 @@ def parse_params(kv: dict | None, cls, mode: KVMode, role: str):
     return params
 
 
-class PrefillConnector(KVConnector):
+class PrefillConnector(RuntimeConnector):
     def __init__(self, runtime: TransferRuntime, config: TransferConfig) -> None:
-        self.runtime = runtime
-        self.config = config
+        super().__init__(runtime, config)
         self.host, port = runtime.kv_address.rsplit(":", 1)
         self.port = int(port)
-
-    @property
-    def kv_address(self) -> str:
-        return self.runtime.kv_address
-
-    @property
-    def engine_id(self) -> str:
-        return self.runtime.engine_id
 
     def on_add(self, request: Request, kv_transfer_params: dict | None) -> None:
         params = parse_params(kv_transfer_params, pr.PrefillLegParams, self.runtime.mode, "prefill")
@@ -124,11 +113,3 @@ class PrefillConnector(KVConnector):
                 self.engine.block_manager.free_blocks(event.block_ids)
         return []
 
-    def has_events(self) -> bool:
-        return not self.runtime.events.empty()
-
-    def stats(self) -> TransferStats:
-        return self.runtime.worker.stats()
-
-    def shutdown(self) -> None:
-        self.runtime.shutdown()

@@ -17,11 +17,13 @@ from collections.abc import Callable
 
 from kvpush.config import KVMode, Role, TransferConfig
 from kvpush.kv_cache import KVCache
+from kvpush.transfer.base import KVConnector
 from kvpush.transfer.commands import Event
 from kvpush.transfer.handshake import HandshakeInfo, compat_hash, compat_summary
 from kvpush.transfer.ledger import Side
 from kvpush.transfer.nixl_agent import NixlTransferAgent
 from kvpush.transfer.side_channel import SideChannelServer
+from kvpush.transfer.stats import TransferStats
 from kvpush.transfer.worker import TransferWorker
 
 
@@ -111,3 +113,28 @@ class TransferRuntime:
         self.side_channel.close()
         self.worker.stop()
         self.worker.join(timeout=10)
+
+
+class RuntimeConnector(KVConnector):
+    """What the prefill and decode connectors share: a TransferRuntime and its events."""
+
+    def __init__(self, runtime: TransferRuntime, config: TransferConfig) -> None:
+        self.runtime = runtime
+        self.config = config
+
+    @property
+    def kv_address(self) -> str:
+        return self.runtime.kv_address
+
+    @property
+    def engine_id(self) -> str:
+        return self.runtime.engine_id
+
+    def has_events(self) -> bool:
+        return not self.runtime.events.empty()
+
+    def stats(self) -> TransferStats:
+        return self.runtime.worker.stats()
+
+    def shutdown(self) -> None:
+        self.runtime.shutdown()
