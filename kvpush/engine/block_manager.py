@@ -109,17 +109,6 @@ class BlockManager:
         request.block_table.extend(self._pop_free() for _ in range(max(need, 0)))
         return True
 
-    def allocate_blocks(self, n: int) -> list[int] | None:
-        """Take n fresh blocks with no owning request (KV receivers); None if not enough are free."""
-        if n > self.num_free_blocks:
-            return None
-        return [self._pop_free() for _ in range(n)]
-
-    def touch(self, block_ids: list[int]) -> None:
-        """Take a reference on blocks found in the prefix cache."""
-        for block_id in block_ids:
-            self._touch(block_id)
-
     def cache_full_blocks(self, request: Request) -> None:
         """Register hashes of the request's blocks that are full of computed tokens."""
         if not self.enable_prefix_caching:

@@ -12,7 +12,7 @@ No I/O and no tensor work: this module is plain Python.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvpush.config import SchedulerConfig
@@ -179,6 +179,3 @@ class Scheduler:
         if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
-
-    def all_requests(self) -> Iterable[Request]:
-        return list(self.requests.values())

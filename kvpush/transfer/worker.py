@@ -242,14 +242,11 @@ class TransferWorker(PrefillSteps):
         if rec is None:
             if self.side is Side.PREFILL:  # aborted before D registered: answer its PushReg with Fail
                 self.cancelled[cmd.transfer_id] = (cmd.reason, time.monotonic())
-                self._send_if_known(cmd.peer_engine_id, pr.Fail.create(cmd.transfer_id, cmd.reason))
+                if cmd.peer_engine_id is not None:
+                    self._send(cmd.peer_engine_id, pr.Fail.create(cmd.transfer_id, cmd.reason))
             return
         if not rec.is_terminal:
             self._fail(rec, cmd.reason, tell_peer=True)
-
-    def _send_if_known(self, engine_id: str | None, msg: pr.Message) -> None:
-        if engine_id is not None:
-            self._send(engine_id, msg)
 
     # ---- completion ----------------------------------------------------------------------
     def _poll_posted(self) -> bool:
