@@ -22,6 +22,7 @@ from kvpush.engine.engine import check_prompt
 from kvpush.engine.sampling_params import SamplingParams
 from kvpush.errors import InvalidRequestError
 from kvpush.server import responses as R
+from kvpush.server import vllm_compat
 from kvpush.server.engine_client import EngineClient
 from kvpush.server.generation import EngineRequestError, Generator, GenEvent, GenState
 from kvpush.server.messages import KVInfo
@@ -39,7 +40,7 @@ class OpenAIServer:
         self.tokenizer = tokenizer
         self.model_name = config.served_model_name or model_path
         self.accepted_names = {self.model_name, model_path}
-        self.metrics = ServerMetrics()
+        self.metrics = ServerMetrics(self.model_name)
         self.generator = Generator(engine, tokenizer, self.metrics)
         self._ids = itertools.count()
         self.created = int(time.time())
@@ -131,6 +132,16 @@ class OpenAIServer:
                 f"{len(ids)} tokens and max_tokens is {params.max_tokens}", param="max_tokens")
         return params
 
+    def _vllm_params(self, body: CompletionRequest | ChatCompletionRequest, num_prompts: int) -> bool:
+        """vLLM-shaped kv_transfer_params (routers built for vLLM) become kvpush's own; True if they were."""
+        if not vllm_compat.is_vllm_shaped(body.kv_transfer_params):
+            return False
+        if (info := self.engine.info) is None:
+            raise EngineRequestError("engine is not running", 503)
+        body.kv_transfer_params = vllm_compat.translate_request(body.kv_transfer_params, info.role, info.kv_mode,
+                                                                num_prompts, body.stream)
+        return True
+
     def _new_id(self, prefix: str) -> str:
         return f"{prefix}-{uuid.uuid4().hex[:16]}{next(self._ids)}"
 
@@ -139,6 +150,7 @@ class OpenAIServer:
         body = parse_body(await request.read(), CompletionRequest)
         self._check_model(body.model)
         prompts = body.prompts()
+        vllm = self._vllm_params(body, len(prompts))
         params = body.sampling_params(16, body.logprobs)
         ids = [p if isinstance(p, list) else self.tokenizer.encode(p) for p in prompts]
         for p in ids:
@@ -149,16 +161,17 @@ class OpenAIServer:
         for s in states:
             self.generator.submit(s, params, body.kv_transfer_params)
         try:
-            return await self._completions(request, body, rid, states, params)
+            return await self._completions(request, body, rid, states, params, vllm)
         finally:
             self.generator.release(states)
 
     async def _completions(self, request: web.Request, body: CompletionRequest, rid: str, states: list[GenState],
-                           params: SamplingParams) -> web.StreamResponse:
+                           params: SamplingParams, vllm: bool = False) -> web.StreamResponse:
         want_lp = body.logprobs is not None
         if not body.stream:
             await asyncio.gather(*(self.generator.run(s, params, body.kv_transfer_params) for s in states))
-            return R.json_response(R.completion(rid, self.model_name, states, self.tokenizer, want_lp))
+            out = R.completion(rid, self.model_name, states, self.tokenizer, want_lp)
+            return R.json_response(vllm_compat.vllm_response(out) if vllm else out)
         stream = LazyStream(request)
         try:
             async with aclosing(self._merge(states, params, body.kv_transfer_params)) as events:
@@ -210,6 +223,7 @@ class OpenAIServer:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = parse_body(await request.read(), ChatCompletionRequest)
         self._check_model(body.model)
+        vllm = self._vllm_params(body, 1)
         text = self.tokenizer.apply_chat_template(body.message_dicts(), add_generation_prompt=body.add_generation_prompt)
         ids = self.tokenizer.encode(text)
         info = self.engine.info
@@ -222,16 +236,17 @@ class OpenAIServer:
         state = GenState(rid, ids)
         self.generator.submit(state, params, body.kv_transfer_params)
         try:
-            return await self._chat(request, body, rid, state, params)
+            return await self._chat(request, body, rid, state, params, vllm)
         finally:
             self.generator.release([state])
 
     async def _chat(self, request: web.Request, body: ChatCompletionRequest, rid: str, state: GenState,
-                    params: SamplingParams) -> web.StreamResponse:
+                    params: SamplingParams, vllm: bool = False) -> web.StreamResponse:
         want_lp = body.logprobs
         if not body.stream:
             await self.generator.run(state, params, body.kv_transfer_params)
-            return R.json_response(R.chat_completion(rid, self.model_name, state, self.tokenizer, want_lp))
+            out = R.chat_completion(rid, self.model_name, state, self.tokenizer, want_lp)
+            return R.json_response(vllm_compat.vllm_response(out) if vllm else out)
         stream = LazyStream(request, R.chat_chunk(rid, self.model_name, {"role": "assistant", "content": ""}))
         try:
             async with aclosing(self.generator.stream(state, params, body.kv_transfer_params)) as events:

@@ -1,9 +1,14 @@
-"""Prometheus metrics of one instance, in its own registry (several servers may share a process)."""
+"""Prometheus metrics of one instance, in its own registry (several servers may share a process).
+
+Besides kvpush's own names, the gauges, counters and histograms dashboards and routers read from
+vLLM are exported again under vLLM's names (``vllm:...``, labelled ``model_name`` and ``engine``
+as vLLM v1 does), so Grafana boards and load-aware routing built for vLLM work unchanged.
+"""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from kvpush.server.messages import EngineStats
@@ -59,9 +64,54 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.2
                     1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 
 
+class VllmNames(Collector):
+    """kvpush's request metrics again under vLLM's names, with vLLM's labels (one source of truth:
+    the histograms and counters are copied from kvpush's own at scrape time)."""
+
+    RENAMED = {"prompt_tokens": "vllm:prompt_tokens", "generation_tokens": "vllm:generation_tokens",
+               "ttft": "vllm:time_to_first_token_seconds", "tpot": "vllm:time_per_output_token_seconds",
+               "e2e": "vllm:e2e_request_latency_seconds", "requests": "vllm:request_success"}
+
+    def __init__(self, metrics: ServerMetrics, model_name: str) -> None:
+        self.metrics = metrics
+        self.labels = {"model_name": model_name, "engine": "0"}
+
+    def collect(self):
+        st, labels = self.metrics.stats, self.labels
+        names, values = list(labels), list(labels.values())
+        used = st.num_total_blocks - st.num_free_blocks
+        usage = used / st.num_total_blocks if st.num_total_blocks else 0.0
+        for name, doc, value in (
+                ("vllm:num_requests_running", "Requests in the running batch", st.num_running),
+                ("vllm:num_requests_waiting", "Requests waiting (for blocks or for remote KV)",
+                 st.num_waiting + st.num_waiting_for_kv),
+                ("vllm:kv_cache_usage_perc", "KV-cache usage, 1 = full", usage),
+                ("vllm:gpu_cache_usage_perc", "KV-cache usage, 1 = full (older vLLM name)", usage)):
+            gauge = GaugeMetricFamily(name, doc, labels=names)
+            gauge.add_metric(values, value)
+            yield gauge
+        preemptions = CounterMetricFamily("vllm:num_preemptions", "Preemptions", labels=names)
+        preemptions.add_metric(values, st.num_preemptions)
+        yield preemptions
+        for attr, name in self.RENAMED.items():
+            for family in getattr(self.metrics, attr).collect():
+                yield _renamed(family, name, labels)
+        for family in self.metrics.tpot.collect():  # vLLM >= 0.10 calls the per-request mean this
+            yield _renamed(family, "vllm:request_time_per_output_token_seconds", labels)
+
+
+def _renamed(family: Metric, name: str, labels: dict[str, str]) -> Metric:
+    out = Metric(name, family.documentation, family.type)
+    for s in family.samples:
+        own = {("finished_reason" if k == "finish_reason" else k): v for k, v in s.labels.items()}  # vLLM's label
+        out.add_sample(name + s.name[len(family.name):], {**own, **labels}, s.value, s.timestamp)
+    return out
+
+
 class ServerMetrics:
-    def __init__(self) -> None:
+    def __init__(self, model_name: str = "") -> None:
         r = self.registry = CollectorRegistry()
+        self.stats = EngineStats()
         self.running = Gauge("kvpush_num_requests_running", "Requests in the running batch", registry=r)
         self.waiting = Gauge("kvpush_num_requests_waiting", "Requests waiting to be scheduled", registry=r)
         self.waiting_kv = Gauge("kvpush_num_requests_waiting_for_kv", "Requests waiting for remote KV",
@@ -86,8 +136,10 @@ class ServerMetrics:
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.transfer = TransferCollector()
         r.register(self.transfer)
+        r.register(VllmNames(self, model_name))
 
     def update_engine(self, stats: EngineStats, in_flight: int) -> None:
+        self.stats = stats
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
         self.waiting_kv.set(stats.num_waiting_for_kv)

@@ -1,0 +1,147 @@
+"""vLLM's disaggregation parameters on kvpush instances, so routers built for vLLM can drive them.
+
+Routers that speak vLLM's protocol (vllm-router `--vllm-pd-disaggregation --kv-connector nixl`,
+vLLM's toy proxies, llm-d) put a ``kv_transfer_params`` object shaped like vLLM's NixlConnector
+into the request body, and read P's answer from the top level of P's response:
+
+    P leg  (router -> P):  {"do_remote_decode": true, "do_remote_prefill": false, "remote_*": null}
+                           with max_tokens=1, stream=false
+    P's answer (P -> router, top level of the response body):
+                           {"do_remote_prefill": true, "do_remote_decode": false,
+                            "remote_engine_id", "remote_block_ids", "remote_request_id",
+                            "remote_host", "remote_port", "tp_size", "remote_num_tokens",
+                            "kvpush_lease_expiry"}
+    D leg  (router -> D):  the original request + P's answer verbatim
+
+This module tells the two shapes apart (kvpush's own leg parameters carry a ``type`` tag, vLLM's
+never do), validates vLLM's shape with errors that name the field, and maps it onto kvpush's own
+leg parameters (``to_leg``: today the JSON dict the KV connector parses). Only the sequential pull
+flow is expressible this way: vLLM's P answer is what D needs to READ. The ``remote_request_id``
+P hands out is kvpush's transfer id; ``kvpush_lease_expiry`` (an extra field, which routers pass
+through untouched) lets D refuse parameters whose blocks P no longer holds.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, TypeGuard
+
+from kvpush.config import FirstToken, KVMode
+from kvpush.errors import InvalidRequestError
+from kvpush.transfer import protocol as pr
+
+FLAGS = ("do_remote_decode", "do_remote_prefill")
+PARAM = "kv_transfer_params"
+
+
+def is_vllm_shaped(kv: object) -> TypeGuard[dict]:
+    """vLLM's NixlConnector shape: either flag present and no kvpush ``type`` tag."""
+    return isinstance(kv, dict) and "type" not in kv and any(f in kv for f in FLAGS)
+
+
+def to_leg(params: pr.LegParams) -> dict[str, Any]:
+    """kvpush's leg parameters as the engine takes them (the one place to change if that becomes a struct)."""
+    return pr.params_to_dict(params)
+
+
+def _bad(field: str | None, message: str) -> InvalidRequestError:
+    name = f"{PARAM}.{field}" if field else PARAM
+    return InvalidRequestError(f"{name}: {message}", param=name)
+
+
+def _flag(kv: dict, field: str) -> bool:
+    value = kv.get(field)
+    if value is not None and not isinstance(value, bool):
+        raise _bad(field, f"must be a boolean, got {value!r:.40}")
+    return bool(value)
+
+
+def _field(kv: dict, field: str, kind: type | tuple[type, ...], what: str) -> Any:
+    if kv.get(field) is None:
+        raise _bad(field, f"missing: a decode leg needs {what} (from the prefill instance's response)")
+    value = kv[field]
+    if not isinstance(value, kind) or isinstance(value, bool):
+        raise _bad(field, f"must be {what}, got {value!r:.60}")
+    return value
+
+
+def _block_ids(kv: dict) -> list[int]:
+    """vLLM sends a flat list, or (hybrid KV cache versions) one list per KV cache group: kvpush has one."""
+    ids = _field(kv, "remote_block_ids", list, "a non-empty list of block ids")
+    if len(ids) == 1 and isinstance(ids[0], list):
+        ids = ids[0]
+    if not ids or not all(isinstance(b, int) and not isinstance(b, bool) and 0 <= b < 2**32 for b in ids):
+        raise _bad("remote_block_ids", "must be a non-empty list of block ids in [0, 2**32) (one KV cache group)")
+    return ids
+
+
+def translate_request(kv: dict, role: str, mode: str | None, num_prompts: int, stream: bool) -> dict | None:
+    """kvpush's own leg parameters for a vLLM-shaped ``kv_transfer_params``; InvalidRequestError (400)
+    naming the field for anything kvpush cannot honour. None: the request asks for no transfer."""
+    decode_leg, prefill_leg = _flag(kv, "do_remote_decode"), _flag(kv, "do_remote_prefill")
+    if decode_leg and prefill_leg:
+        raise _bad(None, "do_remote_decode and do_remote_prefill are both true; a leg is one or the other")
+    if not decode_leg and not prefill_leg:
+        if role == "prefill":
+            raise _bad("do_remote_decode", "a prefill instance serves only prefill legs (do_remote_decode: true)")
+        return None  # explicitly local: computed here, as vLLM does
+    if role == "colocated":
+        raise _bad(None, "this instance is colocated (no --role prefill|decode); it cannot take part in a "
+                         "disaggregated request")
+    if mode != KVMode.PULL.value:
+        raise _bad(None, f"vLLM-shaped parameters need --kv-mode pull (vLLM's sequential NIXL flow); this "
+                         f"instance runs --kv-mode {mode}: use kvpush's proxy for push")
+    if num_prompts != 1:
+        raise InvalidRequestError("a disaggregated leg carries exactly one prompt", param="prompt")
+    if decode_leg:
+        if role != "prefill":
+            raise _bad("do_remote_decode", "true means a prefill leg, but this is a decode instance")
+        if stream:
+            raise InvalidRequestError("a prefill leg (do_remote_decode: true) must not stream", param="stream")
+        return to_leg(pr.PrefillLegParams(transfer_id=pr.new_transfer_id(), mode=KVMode.PULL))
+    if role != "decode":
+        raise _bad("do_remote_prefill", "true means a decode leg, but this is a prefill instance")
+    return to_leg(_decode_leg(kv))
+
+
+def _decode_leg(kv: dict) -> pr.DecodeLegParams:
+    engine_id = _field(kv, "remote_engine_id", str, "the prefill engine id")
+    host = _field(kv, "remote_host", str, "the prefill instance's KV host")
+    port = _field(kv, "remote_port", int, "the prefill instance's KV port")
+    transfer_id = _field(kv, "remote_request_id", str, "the transfer id")
+    blocks = _block_ids(kv)
+    num_tokens = _field(kv, "remote_num_tokens", int, "the number of prompt tokens P computed")
+    if kv.get("kvpush_lease_expiry") is None:
+        raise _bad("kvpush_lease_expiry", "missing: these parameters were not made by a kvpush prefill instance "
+                                          "(a kvpush decode instance pulls only from kvpush prefill instances)")
+    lease = _field(kv, "kvpush_lease_expiry", (int, float), "a unix time")
+    now = time.time()
+    if not math.isfinite(lease) or lease <= now:
+        raise _bad("kvpush_lease_expiry", f"stale: the prefill instance's hold on these blocks ended "
+                                          f"{now - lease:.1f} s ago; send the request through its prefill leg again")
+    try:
+        return pr.DecodeLegParams(transfer_id=transfer_id, mode=KVMode.PULL, prefill_engine_id=engine_id,
+                                  prefill_kv_host=host, prefill_kv_port=port, first_token=FirstToken.RECOMPUTE,
+                                  block_ids=blocks, num_tokens=num_tokens, lease_expiry=float(lease))
+    except pr.ProtocolError as e:
+        raise _bad(None, str(e)) from e
+
+
+def prefill_result(kv: dict | None) -> dict | None:
+    """P's own PrefillResult (dict) in vLLM's shape, for the top level of P's response."""
+    if kv is None:
+        return None
+    r = pr.params_from_dict(kv, pr.PrefillResult)
+    return {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": r.prefill_engine_id,
+            "remote_block_ids": list(r.block_ids), "remote_request_id": r.transfer_id,
+            "remote_host": r.prefill_kv_host, "remote_port": r.prefill_kv_port, "tp_size": 1,
+            "remote_num_tokens": r.num_tokens, "kvpush_lease_expiry": r.lease_expiry}
+
+
+def vllm_response(out: dict) -> dict:
+    """A response to a vLLM-shaped request: P's parameters move from the first choice (kvpush's place)
+    to the top level (vLLM's place), translated; D's response carries ``kv_transfer_params: null``."""
+    choices = out.get("choices") or [{}]
+    out["kv_transfer_params"] = prefill_result(choices[0].pop("kv_transfer_params", None))
+    return out
