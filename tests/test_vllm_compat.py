@@ -9,6 +9,7 @@ import pytest
 
 from kvpush.errors import InvalidRequestError
 from kvpush.server import vllm_compat as V
+from kvpush.server.generation import EngineRequestError
 from kvpush.server.messages import EngineStats
 from kvpush.server.metrics import ServerMetrics
 from kvpush.transfer import protocol as pr
@@ -63,13 +64,16 @@ def test_prefill_result_round_trips_through_the_router():
     result = pr.PrefillResult(transfer_id="9f2c", mode=pr.KVMode.PULL, prefill_engine_id="prefill-0a1b2c3d4e5f",
                               prefill_kv_host="10.0.0.1", prefill_kv_port=7100, num_tokens=20, block_ids=[7, 8],
                               lease_expiry=time.time() + 30, first_token_id=5)
-    out = V.vllm_response({"choices": [{"text": "x", "kv_transfer_params": pr.params_to_dict(result)}]})
+    out = V.vllm_response({"choices": [{"text": "x", "kv_transfer_params": pr.params_to_dict(result)}]}, "prefill")
     kv = out["kv_transfer_params"]
     assert "kv_transfer_params" not in out["choices"][0]
     assert kv["do_remote_prefill"] is True and kv["do_remote_decode"] is False and kv["remote_block_ids"] == [7, 8]
     leg = pr.params_from_dict(translate(kv), pr.DecodeLegParams)  # what D gets when a router forwards it verbatim
     assert (leg.transfer_id, leg.block_ids, leg.lease_expiry) == ("9f2c", [7, 8], result.lease_expiry)
-    assert V.vllm_response({"choices": [{"text": "y"}]})["kv_transfer_params"] is None  # D's answer
+    assert V.vllm_response({"choices": [{"text": "y"}]}, "decode")["kv_transfer_params"] is None  # D's answer
+    with pytest.raises(EngineRequestError, match="without KV parameters") as e:  # P's leg without them
+        V.vllm_response({"choices": [{"text": "y", "finish_reason": "abort"}]}, "prefill")
+    assert e.value.status == 502
 
 
 @pytest.mark.parametrize("field", ["remote_engine_id", "remote_host", "remote_port", "remote_request_id",

@@ -132,6 +132,10 @@ class OpenAIServer:
                 f"{len(ids)} tokens and max_tokens is {params.max_tokens}", param="max_tokens")
         return params
 
+    @property
+    def _role(self) -> str:
+        return self.engine.info.role if self.engine.info else "colocated"
+
     def _vllm_params(self, body: CompletionRequest | ChatCompletionRequest, num_prompts: int) -> bool:
         """vLLM-shaped kv_transfer_params (routers built for vLLM) become kvpush's own; True if they were."""
         if not vllm_compat.is_vllm_shaped(body.kv_transfer_params):
@@ -171,7 +175,7 @@ class OpenAIServer:
         if not body.stream:
             await asyncio.gather(*(self.generator.run(s, params, body.kv_transfer_params) for s in states))
             out = R.completion(rid, self.model_name, states, self.tokenizer, want_lp)
-            return R.json_response(vllm_compat.vllm_response(out) if vllm else out)
+            return R.json_response(vllm_compat.vllm_response(out, self._role) if vllm else out)
         stream = LazyStream(request)
         try:
             async with aclosing(self._merge(states, params, body.kv_transfer_params)) as events:
@@ -246,7 +250,7 @@ class OpenAIServer:
         if not body.stream:
             await self.generator.run(state, params, body.kv_transfer_params)
             out = R.chat_completion(rid, self.model_name, state, self.tokenizer, want_lp)
-            return R.json_response(vllm_compat.vllm_response(out) if vllm else out)
+            return R.json_response(vllm_compat.vllm_response(out, self._role) if vllm else out)
         stream = LazyStream(request, R.chat_chunk(rid, self.model_name, {"role": "assistant", "content": ""}))
         try:
             async with aclosing(self.generator.stream(state, params, body.kv_transfer_params)) as events:

@@ -29,6 +29,7 @@ from typing import Any, TypeGuard
 
 from kvpush.config import FirstToken, KVMode
 from kvpush.errors import InvalidRequestError
+from kvpush.server.generation import EngineRequestError
 from kvpush.transfer import protocol as pr
 
 FLAGS = ("do_remote_decode", "do_remote_prefill")
@@ -139,9 +140,14 @@ def prefill_result(kv: dict | None) -> dict | None:
             "remote_num_tokens": r.num_tokens, "kvpush_lease_expiry": r.lease_expiry}
 
 
-def vllm_response(out: dict) -> dict:
+def vllm_response(out: dict, role: str) -> dict:
     """A response to a vLLM-shaped request: P's parameters move from the first choice (kvpush's place)
-    to the top level (vLLM's place), translated; D's response carries ``kv_transfer_params: null``."""
+    to the top level (vLLM's place), translated; D's response carries ``kv_transfer_params: null``.
+    A prefill leg that ended without parameters (aborted, stopped early) is an error, never a 200 that
+    would send D off to compute the prompt locally."""
     choices = out.get("choices") or [{}]
     out["kv_transfer_params"] = prefill_result(choices[0].pop("kv_transfer_params", None))
+    if role == "prefill" and out["kv_transfer_params"] is None:
+        raise EngineRequestError("the prefill leg finished without KV parameters "
+                                 f"(finish_reason {choices[0].get('finish_reason')!r}); nothing for D to pull", 502)
     return out
