@@ -163,7 +163,7 @@ def cmd_up(args: argparse.Namespace, serve_args: list[str]) -> int:
     proxy_args = ["--first-token", args.first_token, "--policy", args.policy]
     try:
         return run_up(args.model, args.prefill, args.decode, args.kv_mode, args.port, serve_args, proxy_args,
-                      link_gbps=args.link_gbps)
+                      link_gbps=args.link_gbps, router=args.router)
     except KVPushError as e:  # e.g. --link-gbps without root or iproute2
         print(f"kvpush up: error: {e}", file=sys.stderr)
         return 2
@@ -180,6 +180,8 @@ def up_parser() -> argparse.ArgumentParser:
     p.add_argument("--first-token", default=_default(ProxyConfig, "first_token").value,
                    choices=[m.value for m in FirstToken])
     p.add_argument("--policy", default=_default(ProxyConfig, "policy"), choices=["round-robin", "least-loaded"])
+    p.add_argument("--router", default="kvpush", choices=["kvpush", "vllm-router"],
+                   help="front door: kvpush's proxy, or vllm-router (pip install vllm-router; --kv-mode pull)")
     p.add_argument("--link-gbps", type=float, default=None, metavar="G",
                    help="root only: run P and D in two network namespaces joined by a link of G Gbit/s each way")
     return p

@@ -28,8 +28,10 @@ def free_port() -> int:
 
 class ServerProcess:
     def __init__(self, argv: list[str], host: str = "127.0.0.1", env: dict[str, str] | None = None,
-                 log_path: str | None = None, prefix: list[str] | None = None) -> None:
+                 log_path: str | None = None, prefix: list[str] | None = None,
+                 program: list[str] | None = None) -> None:
         self.argv = argv
+        self.program = program or [sys.executable, "-m", "kvpush.cli"]  # another server: its own command
         self.prefix = prefix or []  # e.g. ["ip", "netns", "exec", NS]: run the server inside a namespace
         self.host = host
         self.port = int(argv[argv.index("--port") + 1])
@@ -47,7 +49,7 @@ class ServerProcess:
         if self.log_path:
             self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
             out = self._log
-        self.proc = subprocess.Popen([*self.prefix, sys.executable, "-m", "kvpush.cli", *self.argv], env=self.env,
+        self.proc = subprocess.Popen([*self.prefix, *self.program, *self.argv], env=self.env,
                                      stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                                      preexec_fn=_die_with_parent)
         return self

@@ -1,4 +1,4 @@
-"""`kvpush up`: a local xPyD deployment (N prefill, M decode, one proxy) as child processes.
+"""`kvpush up`: a local xPyD deployment (N prefill, M decode, kvpush's proxy or vllm-router) as children.
 
     STARTING (instances started, then waited for; then the proxy) -> UP (proxy URL printed)
     -> STOPPING (Ctrl-C / SIGTERM, or a child died: proxy first, then every instance, each with
@@ -9,12 +9,14 @@ Children run in their own process groups and get SIGTERM if `kvpush up` itself d
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sys
 import tempfile
 import threading
 from typing import TYPE_CHECKING
 
+from kvpush.errors import KVPushError
 from kvpush.launch import ServerProcess, free_port
 
 if TYPE_CHECKING:
@@ -24,7 +26,7 @@ if TYPE_CHECKING:
 class Deployment:
     def __init__(self, model: str, num_prefill: int, num_decode: int, kv_mode: str, port: int,
                  serve_args: list[str], proxy_args: list[str], log_dir: str | None = None,
-                 link: RateLimitedLink | None = None) -> None:
+                 link: RateLimitedLink | None = None, router: str = "kvpush") -> None:
         """With `link`, prefill instances run in link.ns_p, decode instances and the proxy in link.ns_d,
         KV moves over UCX/TCP across the shaped veth, and `url` is the proxy's address on ns_d's
         link to the root namespace."""
@@ -48,7 +50,13 @@ class Deployment:
                 urls[role].append(server.url)
         proxy_argv = ["proxy", "--port", str(port), "--kv-mode", kv_mode, "--prefill", *urls["prefill"],
                       "--decode", *urls["decode"], *proxy_args]
-        if link is None:
+        if router == "vllm-router":
+            if link is not None or kv_mode != "pull":
+                raise KVPushError("--router vllm-router drives vLLM's sequential NIXL flow: it needs --kv-mode pull "
+                                  "and no --link-gbps")
+            self.proxy = ServerProcess(vllm_router_argv(port, urls, proxy_args), program=[find_vllm_router()],
+                                       log_path=os.path.join(self.log_dir, "vllm-router.log"))
+        elif link is None:
             self.proxy = ServerProcess(proxy_argv, log_path=os.path.join(self.log_dir, "proxy.log"))
         else:  # in ns_d: reaches D locally, P over the link, and the root namespace reaches it
             self.proxy = ServerProcess([*proxy_argv, "--host", link.host_d_root], host=link.host_d_root,
@@ -86,8 +94,30 @@ class Deployment:
         self.stop()
 
 
+def find_vllm_router() -> str:
+    """The vllm-router binary: on PATH or beside this Python (a venv's bin/)."""
+    here = os.path.join(os.path.dirname(sys.executable), "vllm-router")
+    found = shutil.which("vllm-router") or (here if os.access(here, os.X_OK) else None)
+    if found is None:
+        raise KVPushError("--router vllm-router: no vllm-router binary on PATH or next to this Python; "
+                          "install it with `pip install vllm-router==0.1.17`")
+    return found
+
+
+def vllm_router_argv(port: int, urls: dict[str, list[str]], proxy_args: list[str]) -> list[str]:
+    """vllm-router in P/D mode over the pools (NIXL pull); kvpush's --policy mapped onto its policies."""
+    policy = proxy_args[proxy_args.index("--policy") + 1] if "--policy" in proxy_args else "round-robin"
+    argv = ["--vllm-pd-disaggregation", "--host", "127.0.0.1", "--port", str(port), "--prometheus-port",
+            str(free_port()), "--policy", {"least-loaded": "power_of_two"}.get(policy, "round_robin")]
+    for url in urls["prefill"]:
+        argv += ["--prefill", url]
+    for url in urls["decode"]:
+        argv += ["--decode", url]
+    return argv
+
+
 def run_up(model: str, num_prefill: int, num_decode: int, kv_mode: str, port: int, serve_args: list[str],
-           proxy_args: list[str], link_gbps: float | None = None) -> int:
+           proxy_args: list[str], link_gbps: float | None = None, router: str = "kvpush") -> int:
     link = None
     if link_gbps is not None:  # P and D on two "hosts" joined by a link of link_gbps each way
         from kvpush.netlink import LinkConfig, RateLimitedLink, require_root
@@ -95,19 +125,20 @@ def run_up(model: str, num_prefill: int, num_decode: int, kv_mode: str, port: in
         require_root()
         link = RateLimitedLink(LinkConfig(gbps=link_gbps)).start()
     try:
-        return _run_up(model, num_prefill, num_decode, kv_mode, port, serve_args, proxy_args, link)
+        return _run_up(model, num_prefill, num_decode, kv_mode, port, serve_args, proxy_args, link, router)
     finally:
         if link is not None:
             link.close()
 
 
 def _run_up(model: str, num_prefill: int, num_decode: int, kv_mode: str, port: int, serve_args: list[str],
-            proxy_args: list[str], link: RateLimitedLink | None) -> int:
+            proxy_args: list[str], link: RateLimitedLink | None, router: str = "kvpush") -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    dep = Deployment(model, num_prefill, num_decode, kv_mode, port, serve_args, proxy_args, link=link)
-    print(f"kvpush up: starting {num_prefill}P{num_decode}D ({kv_mode}); logs in {dep.log_dir}", flush=True)
+    dep = Deployment(model, num_prefill, num_decode, kv_mode, port, serve_args, proxy_args, link=link, router=router)
+    print(f"kvpush up: starting {num_prefill}P{num_decode}D ({kv_mode}) behind {router}; logs in {dep.log_dir}",
+          flush=True)
     if link is not None:
         print(f"kvpush up: link {link.describe()}", flush=True)
     dep.start()
