@@ -233,9 +233,11 @@ def test_params_garbage(data: object) -> None:
         pr.params_from_dict(data, PrefillLegParams)
 
 
-def test_push_prefill_leg_needs_decode_engine() -> None:
+def test_push_prefill_leg_may_leave_the_decode_engine_open() -> None:
+    # routers built for vLLM do not know D's engine id: P then accepts the first D that registers
+    assert PrefillLegParams(transfer_id=TID, mode=KVMode.PUSH).decode_engine_id is None
     with pytest.raises(ProtocolError):
-        PrefillLegParams(transfer_id=TID, mode=KVMode.PUSH)
+        PrefillLegParams(transfer_id=TID, mode=KVMode.PUSH, decode_engine_id="")
 
 
 def test_pull_decode_leg_from_prefill_needs_first_token() -> None:

@@ -101,11 +101,24 @@ def test_legs_sent_to_the_wrong_place():
     bad({"do_remote_decode": False, "do_remote_prefill": False}, "do_remote_decode", role="prefill")
     bad({**P_LEG, "do_remote_prefill": True}, None, role="prefill")
     assert "colocated" in bad(d_leg(), None, role="colocated")
-    assert "--kv-mode pull" in bad(d_leg(), None, mode="push")
     with pytest.raises(InvalidRequestError, match="one prompt"):
         translate(P_LEG, role="prefill", n=2)
     with pytest.raises(InvalidRequestError, match="must not stream"):
         translate(P_LEG, role="prefill", stream=True)
+
+
+def test_push_legs_need_no_block_ids_and_keep_the_routers_transfer_id():
+    p = pr.params_from_dict(translate({**P_LEG, "transfer_id": "xfer-1f2e"}, role="prefill", mode="push"),
+                            pr.PrefillLegParams)
+    assert (p.transfer_id, p.mode, p.decode_engine_id) == ("xfer-1f2e", pr.KVMode.PUSH, None)
+    bad({**P_LEG, "transfer_id": "bad id!"}, "transfer_id", role="prefill", mode="push")
+    d = pr.params_from_dict(translate(d_leg(remote_block_ids=..., remote_num_tokens=..., kvpush_lease_expiry=...),
+                                      mode="push-layerwise"), pr.DecodeLegParams)
+    assert (d.mode, d.block_ids, d.prefill_kv_port) == (pr.KVMode.PUSH_LAYERWISE, None, 7100)
+    mooncake = {"do_remote_prefill": True, "do_remote_decode": False, "transfer_id": "xfer-9",
+                "remote_engine_id": "prefill-0a1b2c3d4e5f", "remote_host": "10.0.0.1", "remote_port": 7100}
+    assert pr.params_from_dict(translate(mooncake, mode="push"), pr.DecodeLegParams).transfer_id == "xfer-9"
+    assert "missing" in bad({**mooncake, "remote_host": None}, "remote_host", mode="push")
 
 
 def test_explicitly_local_request_on_decode_is_served_locally():

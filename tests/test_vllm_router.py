@@ -49,12 +49,13 @@ def router_binary() -> str:
 class Router:
     """One vllm-router process in its own session (killed with its group on stop)."""
 
-    def __init__(self, exe: str, prefills: list[str], decodes: list[str], log: Path) -> None:
+    def __init__(self, exe: str, prefills: list[str], decodes: list[str], log: Path, extra: tuple | list = (),
+                 bootstrap: dict[str, str] | None = None) -> None:
         self.port = free_port()
         argv = [exe, "--vllm-pd-disaggregation", "--host", "127.0.0.1", "--port", str(self.port),
-                "--prometheus-port", str(free_port()), "--policy", "round_robin", "--log-level", "warning"]
+                "--prometheus-port", str(free_port()), "--policy", "round_robin", "--log-level", "warning", *extra]
         for u in prefills:
-            argv += ["--prefill", u]
+            argv += ["--prefill", u, *([bootstrap[u]] if bootstrap else [])]
         for u in decodes:
             argv += ["--decode", u]
         self.log = open(log, "ab")  # noqa: SIM115 - closed in stop()
@@ -193,6 +194,60 @@ def test_router_shaped_legs_with_bad_params_get_400(deployment):
         assert status == 400 and err["error"]["param"] == f"kv_transfer_params.{field}", err
     status, got = post(d + "/v1/completions", {**completion_body(PROMPTS[0]), "kv_transfer_params": kv})
     assert status == 200 and "d_ready" in got["choices"][0]["kvpush_trace"], got
+
+
+@pytest.fixture(scope="module")
+def push_deployment(deployment, tmp_path_factory):
+    """1P1D push behind vllm-router's mooncake mode: `--prefill URL PORT` with P's own HTTP port as the
+    bootstrap port (P answers GET /query; D reads P's KV address from P's /v1/kv_info)."""
+    cluster, _, _ = deployment
+    logs = tmp_path_factory.mktemp("vllm-router-push")
+    push = Cluster(cluster.model, "push", logs)
+    router = None
+    try:
+        push.wait()
+        p = push.prefills[0]
+        router = Router(router_binary(), [p.url], [push.decodes[0].url], logs / "router.log",
+                        ["--kv-connector", "mooncake"], {p.url: str(p.port)})
+        wait_for(router.healthy, 60, "vllm-router /health")
+        yield push, router
+    finally:
+        if router is not None:
+            router.stop()
+        push.stop()
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_push_behind_vllm_router_mooncake_mode(deployment, push_deployment, path):
+    _, colocated, _ = deployment
+    _, router = push_deployment
+    make = completion_body if path == "/v1/completions" else chat_body
+    for prompt in PROMPTS:
+        want = text_of(answer(colocated.url, path, make(prompt))[1])
+        status, got = answer(router.url, path, make(prompt))
+        assert status == 200 and text_of(got) == want, got
+        trace = got["choices"][0]["kvpush_trace"]
+        assert "write_posted" in trace and "d_ready" in trace, trace  # P wrote the KV into D's blocks
+        text, done, _ = stream(router.url, path, make(prompt))
+        assert done and text == want
+
+
+def test_push_with_vllm_push_proxy_shape(deployment, push_deployment):
+    """vLLM's push demo proxy: P's leg, then D gets P's coordinates and transfer id but no block ids."""
+    _, colocated, _ = deployment
+    push, _ = push_deployment
+    body = completion_body(PROMPTS[2])
+    status, out = post(push.prefills[0].url + "/v1/completions", {**body, "max_tokens": 1, "kv_transfer_params": {
+        "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None, "remote_block_ids": None,
+        "remote_host": None, "remote_port": None}})
+    assert status == 200, out
+    kv = out["kv_transfer_params"]
+    assert kv["remote_block_ids"] == [] and kv["remote_engine_id"].startswith("prefill-")
+    d_kv = {k: kv[k] for k in ("remote_engine_id", "remote_request_id", "remote_host", "remote_port", "tp_size")}
+    status, got = post(push.decodes[0].url + "/v1/completions", {**body, "kv_transfer_params": {
+        "do_remote_prefill": True, "do_remote_decode": False, **d_kv}})
+    assert status == 200 and text_of(got) == text_of(answer(colocated.url, "/v1/completions", body)[1]), got
+    assert "write_posted" in got["choices"][0]["kvpush_trace"]
 
 
 def test_killed_instances_give_errors_or_retries_never_a_wrong_200(deployment):

@@ -30,7 +30,7 @@ from kvpush.server.metrics import ServerMetrics
 from kvpush.server.openai_protocol import ChatCompletionRequest, CompletionRequest, parse_body
 from kvpush.tokenizer import Tokenizer
 
-OPEN_PATHS = {"/health", "/metrics", "/v1/kv_info"}
+OPEN_PATHS = {"/health", "/metrics", "/v1/kv_info", "/query"}
 
 
 class OpenAIServer:
@@ -53,6 +53,7 @@ class OpenAIServer:
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/v1/kv_info", self.kv_info)
+        app.router.add_get("/query", self.bootstrap_query)  # vllm-router --kv-connector mooncake asks this
         app.router.add_get("/metrics", self.metrics_endpoint)
         return app
 
@@ -98,6 +99,13 @@ class OpenAIServer:
         return R.json_response(KVInfo(info.engine_id, info.role, info.kv_mode, host or None, int(port) or None,
                                       info.block_size, info.max_model_len))
 
+    async def bootstrap_query(self, request: web.Request) -> web.Response:
+        """A Mooncake-style bootstrap answer (engine id per data-parallel rank; kvpush has rank 0)."""
+        info = self.engine.info
+        if info is None or info.role != "prefill":
+            return self._error(404 if info else 503, "only a running prefill instance answers /query")
+        return R.json_response({"0": {"engine_id": info.engine_id}})
+
     async def models(self, request: web.Request) -> web.Response:
         info = self.engine.info
         return R.json_response({"object": "list", "data": [{
@@ -136,14 +144,14 @@ class OpenAIServer:
     def _role(self) -> str:
         return self.engine.info.role if self.engine.info else "colocated"
 
-    def _vllm_params(self, body: CompletionRequest | ChatCompletionRequest, num_prompts: int) -> bool:
+    async def _vllm_params(self, body: CompletionRequest | ChatCompletionRequest, num_prompts: int) -> bool:
         """vLLM-shaped kv_transfer_params (routers built for vLLM) become kvpush's own; True if they were."""
         if not vllm_compat.is_vllm_shaped(body.kv_transfer_params):
             return False
         if (info := self.engine.info) is None:
             raise EngineRequestError("engine is not running", 503)
-        body.kv_transfer_params = vllm_compat.translate_request(body.kv_transfer_params, info.role, info.kv_mode,
-                                                                num_prompts, body.stream)
+        kv = await vllm_compat.resolve_bootstrap(body.kv_transfer_params)
+        body.kv_transfer_params = vllm_compat.translate_request(kv, info.role, info.kv_mode, num_prompts, body.stream)
         return True
 
     def _new_id(self, prefix: str) -> str:
@@ -154,7 +162,7 @@ class OpenAIServer:
         body = parse_body(await request.read(), CompletionRequest)
         self._check_model(body.model)
         prompts = body.prompts()
-        vllm = self._vllm_params(body, len(prompts))
+        vllm = await self._vllm_params(body, len(prompts))
         params = body.sampling_params(16, body.logprobs)
         ids = [p if isinstance(p, list) else self.tokenizer.encode(p) for p in prompts]
         for p in ids:
@@ -227,7 +235,7 @@ class OpenAIServer:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = parse_body(await request.read(), ChatCompletionRequest)
         self._check_model(body.model)
-        vllm = self._vllm_params(body, 1)
+        vllm = await self._vllm_params(body, 1)
         text = self.tokenizer.apply_chat_template(body.message_dicts(), add_generation_prompt=body.add_generation_prompt)
         ids = self.tokenizer.encode(text)
         info = self.engine.info

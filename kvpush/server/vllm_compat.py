@@ -1,24 +1,26 @@
 """vLLM's disaggregation parameters on kvpush instances, so routers built for vLLM can drive them.
 
-Routers that speak vLLM's protocol (vllm-router `--vllm-pd-disaggregation --kv-connector nixl`,
-vLLM's toy proxies, llm-d) put a ``kv_transfer_params`` object shaped like vLLM's NixlConnector
-into the request body, and read P's answer from the top level of P's response:
+Routers that speak vLLM's protocol (vllm-router `--vllm-pd-disaggregation`, vLLM's toy proxies,
+llm-d) put a ``kv_transfer_params`` object shaped like vLLM's connectors into the request body and
+read P's answer from the top level of P's response. Both are sequential: P's leg is answered before
+D's leg is sent.
 
-    P leg  (router -> P):  {"do_remote_decode": true, "do_remote_prefill": false, "remote_*": null}
-                           with max_tokens=1, stream=false
-    P's answer (P -> router, top level of the response body):
+    P leg  (router -> P):  {"do_remote_decode": true, "do_remote_prefill": false, ...}, max_tokens=1
+                           (vllm-router --kv-connector mooncake adds "transfer_id")
+    P's answer (top level of P's response body):
                            {"do_remote_prefill": true, "do_remote_decode": false,
                             "remote_engine_id", "remote_block_ids", "remote_request_id",
                             "remote_host", "remote_port", "tp_size", "remote_num_tokens",
                             "kvpush_lease_expiry"}
-    D leg  (router -> D):  the original request + P's answer verbatim
+    D leg  (router -> D):  NIXL routers: P's answer verbatim (pull: D READs remote_block_ids;
+                           push: D registers with P, block ids ignored)
+                           mooncake mode: {"transfer_id", "remote_bootstrap_addr", "remote_engine_id"}
 
-This module tells the two shapes apart (kvpush's own leg parameters carry a ``type`` tag, vLLM's
-never do), validates vLLM's shape with errors that name the field, and maps it onto kvpush's own
-leg parameters (``to_leg``: today the JSON dict the KV connector parses). Only the sequential pull
-flow is expressible this way: vLLM's P answer is what D needs to READ. The ``remote_request_id``
-P hands out is kvpush's transfer id; ``kvpush_lease_expiry`` (an extra field, which routers pass
-through untouched) lets D refuse parameters whose blocks P no longer holds.
+This module tells the shapes apart (kvpush's own leg parameters carry a ``type`` tag, vLLM's never
+do), validates them with errors that name the field, and maps them onto kvpush's own leg parameters
+(``to_leg``: today the JSON dict the KV connector parses). The instance's ``--kv-mode`` decides the
+flow. ``remote_request_id`` is kvpush's transfer id; ``kvpush_lease_expiry`` (an extra field that
+routers pass through untouched) lets a pull D refuse parameters whose blocks P no longer holds.
 """
 
 from __future__ import annotations
@@ -27,9 +29,13 @@ import math
 import time
 from typing import Any, TypeGuard
 
+import aiohttp
+import msgspec
+
 from kvpush.config import FirstToken, KVMode
 from kvpush.errors import InvalidRequestError
 from kvpush.server.generation import EngineRequestError
+from kvpush.server.messages import KVInfo
 from kvpush.transfer import protocol as pr
 
 FLAGS = ("do_remote_decode", "do_remote_prefill")
@@ -87,30 +93,44 @@ def translate_request(kv: dict, role: str, mode: str | None, num_prompts: int, s
         if role == "prefill":
             raise _bad("do_remote_decode", "a prefill instance serves only prefill legs (do_remote_decode: true)")
         return None  # explicitly local: computed here, as vLLM does
-    if role == "colocated":
+    if role == "colocated" or mode is None:
         raise _bad(None, "this instance is colocated (no --role prefill|decode); it cannot take part in a "
                          "disaggregated request")
-    if mode != KVMode.PULL.value:
-        raise _bad(None, f"vLLM-shaped parameters need --kv-mode pull (vLLM's sequential NIXL flow); this "
-                         f"instance runs --kv-mode {mode}: use kvpush's proxy for push")
     if num_prompts != 1:
         raise InvalidRequestError("a disaggregated leg carries exactly one prompt", param="prompt")
+    kv_mode = KVMode(mode)
     if decode_leg:
         if role != "prefill":
             raise _bad("do_remote_decode", "true means a prefill leg, but this is a decode instance")
         if stream:
             raise InvalidRequestError("a prefill leg (do_remote_decode: true) must not stream", param="stream")
-        return to_leg(pr.PrefillLegParams(transfer_id=pr.new_transfer_id(), mode=KVMode.PULL))
+        tid = kv.get("transfer_id")  # vllm-router's mooncake mode names the transfer; NIXL routers do not
+        leg = _checked("transfer_id", lambda: pr.PrefillLegParams(transfer_id=pr.new_transfer_id() if tid is None
+                                                                  else tid, mode=kv_mode))
+        return to_leg(leg)
     if role != "decode":
         raise _bad("do_remote_prefill", "true means a decode leg, but this is a prefill instance")
-    return to_leg(_decode_leg(kv))
+    return to_leg(_decode_leg(kv, kv_mode))
 
 
-def _decode_leg(kv: dict) -> pr.DecodeLegParams:
+def _checked(field: str | None, make):
+    try:
+        return make()
+    except pr.ProtocolError as e:
+        raise _bad(field, str(e)) from e
+
+
+def _decode_leg(kv: dict, mode: KVMode) -> pr.DecodeLegParams:
     engine_id = _field(kv, "remote_engine_id", str, "the prefill engine id")
     host = _field(kv, "remote_host", str, "the prefill instance's KV host")
     port = _field(kv, "remote_port", int, "the prefill instance's KV port")
+    if kv.get("remote_request_id") is None and kv.get("transfer_id") is not None:
+        kv = {**kv, "remote_request_id": kv["transfer_id"]}  # mooncake mode's name for it
     transfer_id = _field(kv, "remote_request_id", str, "the transfer id")
+    common = dict(transfer_id=transfer_id, mode=mode, prefill_engine_id=engine_id, prefill_kv_host=host,
+                  prefill_kv_port=port, first_token=FirstToken.RECOMPUTE)
+    if mode.is_push:  # P writes once D registers: D needs no block ids (P's, if sent, are ignored)
+        return _checked(None, lambda: pr.DecodeLegParams(**common))
     blocks = _block_ids(kv)
     num_tokens = _field(kv, "remote_num_tokens", int, "the number of prompt tokens P computed")
     if kv.get("kvpush_lease_expiry") is None:
@@ -121,12 +141,40 @@ def _decode_leg(kv: dict) -> pr.DecodeLegParams:
     if not math.isfinite(lease) or lease <= now:
         raise _bad("kvpush_lease_expiry", f"stale: the prefill instance's hold on these blocks ended "
                                           f"{now - lease:.1f} s ago; send the request through its prefill leg again")
+    return _checked(None, lambda: pr.DecodeLegParams(**common, block_ids=blocks, num_tokens=num_tokens,
+                                                     lease_expiry=float(lease)))
+
+
+async def resolve_bootstrap(kv: dict) -> dict:
+    """vllm-router's mooncake mode names P by a bootstrap address (``--prefill URL PORT``: give P's own
+    HTTP port) and the engine id it read there at start-up; D looks up where P's KV side channel
+    listens (P's /v1/kv_info) and refuses an engine id that is no longer P's (P restarted)."""
+    addr = kv.get("remote_bootstrap_addr")
+    if addr is None or kv.get("remote_host") is not None or not _flag(kv, "do_remote_prefill"):
+        return kv
+    if not isinstance(addr, str) or not addr.startswith(("http://", "https://")):
+        raise _bad("remote_bootstrap_addr", f"must be an http(s) URL, got {addr!r:.60}")
+    info = _bootstrap_cache.get(addr)
+    if info is None or info.engine_id != kv.get("remote_engine_id"):
+        info = _bootstrap_cache[addr] = await _fetch_kv_info(addr)
+    if info.engine_id != kv.get("remote_engine_id"):
+        raise _bad("remote_engine_id", f"stale: {addr} runs prefill engine {info.engine_id!r} now, not "
+                                       f"{kv.get('remote_engine_id')!r} (it restarted; restart the router)")
+    return {**kv, "remote_host": info.kv_host, "remote_port": info.kv_port}
+
+
+_bootstrap_cache: dict[str, KVInfo] = {}
+
+
+async def _fetch_kv_info(addr: str) -> KVInfo:
     try:
-        return pr.DecodeLegParams(transfer_id=transfer_id, mode=KVMode.PULL, prefill_engine_id=engine_id,
-                                  prefill_kv_host=host, prefill_kv_port=port, first_token=FirstToken.RECOMPUTE,
-                                  block_ids=blocks, num_tokens=num_tokens, lease_expiry=float(lease))
-    except pr.ProtocolError as e:
-        raise _bad(None, str(e)) from e
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session, \
+                session.get(addr.rstrip("/") + "/v1/kv_info") as r:
+            if r.status != 200:
+                raise EngineRequestError(f"prefill bootstrap {addr} answered {r.status}", 502)
+            return msgspec.json.decode(await r.read(), type=KVInfo)
+    except (aiohttp.ClientError, TimeoutError, msgspec.DecodeError) as e:
+        raise EngineRequestError(f"cannot read the prefill instance's KV address from {addr}: {e}", 502) from e
 
 
 def prefill_result(kv: dict | None) -> dict | None:

@@ -97,7 +97,8 @@ def _check_port(port: int) -> None:
 
 
 class PrefillLegParams(msgspec.Struct, tag=True, frozen=True, kw_only=True):
-    """proxy -> P. Push: ``decode_engine_id`` names the D whose PushReg P must accept."""
+    """proxy -> P. Push: ``decode_engine_id`` names the D whose PushReg P must accept; None (legs from
+    routers built for vLLM, which do not know D's engine id) accepts the first D that registers."""
 
     transfer_id: str
     mode: KVMode
@@ -107,8 +108,6 @@ class PrefillLegParams(msgspec.Struct, tag=True, frozen=True, kw_only=True):
 
     def __post_init__(self) -> None:
         _check_transfer_id(self.transfer_id)
-        if self.mode.is_push:
-            _require(self.decode_engine_id is not None, "push mode needs decode_engine_id")
         if self.decode_engine_id is not None:
             _check_engine_id(self.decode_engine_id, "decode_engine_id")
 
