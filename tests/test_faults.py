@@ -115,6 +115,8 @@ def test_kv_deadline_on_decode(make_cluster, reference, on_failure):
         assert status == 200, out
         choice = out["choices"][0]
         assert (choice["logprobs"]["tokens"], choice["text"]) == reference(prompt)
+        assert "kv_fallback_local" in choice["kvpush_trace"]  # the local prefill is visible, never silent
+        assert metrics_all(c.decodes[0].url)["kvpush_kv_local_fallbacks_total"] == 1
     else:
         assert status == 502 and "KV transfer" in out["error"]["message"], out
     wait_for(lambda: all_free(*c.prefills, *c.decodes), 15, "all blocks free after the failed transfer")

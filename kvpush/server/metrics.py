@@ -47,6 +47,8 @@ class TransferCollector(Collector):
                                   value=t.thread_cpu_s)
         yield CounterMetricFamily("kvpush_kv_faults_injected", "Faults injected (testing only)",
                                   value=t.faults_injected)
+        yield CounterMetricFamily("kvpush_kv_local_fallbacks", "Decode requests computed locally after their KV "
+                                  "transfer failed (--on-kv-failure recompute)", value=t.local_fallbacks)
         if t.time_s is not None:
             yield _histogram("kvpush_kv_transfer_seconds", "Post to completion of posted transfers", t.time_s)
         if t.descs is not None:

@@ -36,6 +36,7 @@ from kvpush.transfer.commands import (
 )
 from kvpush.transfer.prefill import parse_params
 from kvpush.transfer.runtime import RuntimeConnector, TransferRuntime
+from kvpush.transfer.stats import TransferStats
 
 
 @dataclass
@@ -104,7 +105,7 @@ class DecodeConnector(RuntimeConnector):
         compute locally or fail, as --on-kv-failure says."""
         self.runtime.worker.submit(SendNotif(st.peer, pr.Abort(st.params.transfer_id)))
         if self.config.on_kv_failure is OnKVFailure.RECOMPUTE:
-            self.fallbacks += 1
+            self._fallback(request)
             request.kv_state = None
             return True
         self.engine.abort_request(request.request_id, RequestStatus.FINISHED_ERROR,
@@ -205,7 +206,7 @@ class DecodeConnector(RuntimeConnector):
         self._detach(request, st)
         scheduler = self.engine.scheduler
         if self.config.on_kv_failure is OnKVFailure.RECOMPUTE:
-            self.fallbacks += 1
+            self._fallback(request)
             self.engine.block_manager.free(request)
             request.kv_state = None
             request.num_computed_tokens = request.num_cached_tokens = 0
@@ -214,6 +215,16 @@ class DecodeConnector(RuntimeConnector):
         request.error = f"KV transfer from prefill failed: {event.reason}"
         scheduler.finish(request, RequestStatus.FINISHED_ERROR)
         out.append(request)
+
+    def _fallback(self, request: Request) -> None:
+        """Local prefill by policy: counted (/metrics) and stamped (the response's kvpush_trace), never silent."""
+        self.fallbacks += 1
+        request.trace["kv_fallback_local"] = time.time()
+
+    def stats(self) -> TransferStats:
+        stats = super().stats()
+        stats.local_fallbacks = self.fallbacks
+        return stats
 
     def _detach(self, request: Request, st: DecodeState) -> None:
         """Take the transfer's blocks out of the request: they come back via FreeBlocks when safe."""

@@ -49,6 +49,7 @@ class TransferStats(msgspec.Struct):
     quarantined_blocks: int = 0
     thread_cpu_s: float = 0.0
     faults_injected: int = 0
+    local_fallbacks: int = 0  # D: requests computed locally after their KV failed (--on-kv-failure recompute)
 
 
 class TransferMetrics:
