@@ -125,7 +125,7 @@ def stream(url: str, path: str, body: dict) -> tuple[str, bool, list[dict]]:
 
 
 def completion_body(prompt: str, max_tokens: int = 12) -> dict:
-    return {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    return {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "logprobs": 0}
 
 
 def chat_body(prompt: str) -> dict:
@@ -161,6 +161,8 @@ def test_output_equals_colocated(deployment, which, path):
         assert status == 200, got
         assert text_of(got) == text_of(want)
         assert got["usage"]["completion_tokens"] == want["usage"]["completion_tokens"] == 12
+        if path == "/v1/completions":  # the router's logprobs merge must leave D's tokens alone
+            assert got["choices"][0]["logprobs"]["tokens"] == want["choices"][0]["logprobs"]["tokens"]
         trace = got["choices"][0]["kvpush_trace"]
         assert "d_ready" in trace and "d_admitted" in trace, trace  # D pulled P's KV, no local prefill
         text, done, _ = stream(routers[which].url, path, make(prompt))
