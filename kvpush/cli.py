@@ -181,7 +181,7 @@ def up_parser() -> argparse.ArgumentParser:
                    choices=[m.value for m in FirstToken])
     p.add_argument("--policy", default=_default(ProxyConfig, "policy"), choices=["round-robin", "least-loaded"])
     p.add_argument("--router", default="kvpush", choices=["kvpush", "vllm-router"],
-                   help="front door: kvpush's proxy, or vllm-router (pip install vllm-router; --kv-mode pull)")
+                   help="front door: kvpush's proxy, or vllm-router (pip install vllm-router; push: sequential)")
     p.add_argument("--link-gbps", type=float, default=None, metavar="G",
                    help="root only: run P and D in two network namespaces joined by a link of G Gbit/s each way")
     return p

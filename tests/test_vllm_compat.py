@@ -144,12 +144,10 @@ def test_metrics_under_vllm_names():
     assert 'vllm:time_to_first_token_seconds_bucket{engine="0",le="0.25",model_name="tiny"} 1.0' in text
 
 
-def test_up_behind_vllm_router_needs_the_binary_and_pull(monkeypatch):
+def test_up_behind_vllm_router_needs_the_binary(monkeypatch):
     from kvpush.errors import KVPushError
     from kvpush.server import up
 
-    with pytest.raises(KVPushError, match="--kv-mode pull"):
-        up.Deployment("m", 1, 1, "push", 8000, [], [], log_dir="/tmp", router="vllm-router")
     monkeypatch.setattr(up.shutil, "which", lambda name: None)
     monkeypatch.setattr(up.os, "access", lambda path, mode: False)
     with pytest.raises(KVPushError, match="pip install vllm-router"):
@@ -158,3 +156,6 @@ def test_up_behind_vllm_router_needs_the_binary_and_pull(monkeypatch):
                                ["--policy", "least-loaded"])
     assert argv[argv.index("--policy") + 1] == "power_of_two"
     assert argv.count("--decode") == 2 and "--vllm-pd-disaggregation" in argv
+    push = up.vllm_router_argv(8000, {"prefill": ["http://127.0.0.1:8100"], "decode": ["http://d"]}, [], "push")
+    assert push[push.index("--kv-connector") + 1] == "mooncake"
+    assert push[push.index("--prefill") + 1: push.index("--prefill") + 3] == ["http://127.0.0.1:8100", "8100"]

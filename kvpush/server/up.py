@@ -51,10 +51,9 @@ class Deployment:
         proxy_argv = ["proxy", "--port", str(port), "--kv-mode", kv_mode, "--prefill", *urls["prefill"],
                       "--decode", *urls["decode"], *proxy_args]
         if router == "vllm-router":
-            if link is not None or kv_mode != "pull":
-                raise KVPushError("--router vllm-router drives vLLM's sequential NIXL flow: it needs --kv-mode pull "
-                                  "and no --link-gbps")
-            self.proxy = ServerProcess(vllm_router_argv(port, urls, proxy_args), program=[find_vllm_router()],
+            if link is not None:
+                raise KVPushError("--router vllm-router does not run across --link-gbps namespaces")
+            self.proxy = ServerProcess(vllm_router_argv(port, urls, proxy_args, kv_mode), program=[find_vllm_router()],
                                        log_path=os.path.join(self.log_dir, "vllm-router.log"))
         elif link is None:
             self.proxy = ServerProcess(proxy_argv, log_path=os.path.join(self.log_dir, "proxy.log"))
@@ -104,13 +103,15 @@ def find_vllm_router() -> str:
     return found
 
 
-def vllm_router_argv(port: int, urls: dict[str, list[str]], proxy_args: list[str]) -> list[str]:
-    """vllm-router in P/D mode over the pools (NIXL pull); kvpush's --policy mapped onto its policies."""
+def vllm_router_argv(port: int, urls: dict[str, list[str]], proxy_args: list[str], kv_mode: str = "pull") -> list[str]:
+    """vllm-router in P/D mode over the pools (pull: its NIXL mode; push: its mooncake mode, each P's HTTP
+    port as its bootstrap port); kvpush's --policy mapped onto its policies."""
     policy = proxy_args[proxy_args.index("--policy") + 1] if "--policy" in proxy_args else "round-robin"
     argv = ["--vllm-pd-disaggregation", "--host", "127.0.0.1", "--port", str(port), "--prometheus-port",
-            str(free_port()), "--policy", {"least-loaded": "power_of_two"}.get(policy, "round_robin")]
+            str(free_port()), "--policy", {"least-loaded": "power_of_two"}.get(policy, "round_robin"),
+            "--kv-connector", "nixl" if kv_mode == "pull" else "mooncake"]
     for url in urls["prefill"]:
-        argv += ["--prefill", url]
+        argv += ["--prefill", url, *([] if kv_mode == "pull" else [url.rsplit(":", 1)[1]])]
     for url in urls["decode"]:
         argv += ["--decode", url]
     return argv
