@@ -13,7 +13,7 @@
 #   info       nvidia-smi, the interpreter, torch and its CUDA build
 #   install    nixl 1.5.1 (the lean install: nixl + nixl-cuXX matching torch's CUDA major, no deps) and any
 #              other missing dependency, from .whl/ or else from the package index, into .gpu-site/
-#   model      the gpu-1b preset (~1.07B parameters, random weights, bfloat16, drawn on the GPU)
+#   model      the gpu-1b preset (~1.04B parameters, random weights, bfloat16, drawn on the GPU)
 #   tests      pytest: engine vs transformers and greedy parity (batched, chunked, prefix, preemption) on
 #              cuda; NIXL VRAM across two processes; 1P1D pull/push/push-layerwise on the GPU vs colocated
 #   bandwidth  benchmarks/transfer_bw.py --device cuda: VRAM->VRAM, kvpush's write vs a bare NIXL WRITE

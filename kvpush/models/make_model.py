@@ -83,7 +83,7 @@ PRESETS: dict[str, Preset] = {
     "tiny": Preset("tiny", 1024, 64, 128, 2, 4, 2, 16, 4096, True),
     "small": Preset("small", 4096, 256, 768, 4, 8, 4, 32, 8192, False),
     "bench": Preset("bench", 8192, 384, 768, 8, 6, 3, 64, 16384, False),
-    # ~1.07B parameters (Qwen3-1.7B's widths, 20 layers): for GPUs, in bfloat16 (scripts/gpu_check.sh)
+    # ~1.04B parameters (Qwen3-1.7B's widths, 20 layers): for GPUs, in bfloat16 (scripts/gpu_check.sh)
     "gpu-1b": Preset("gpu-1b", 8192, 2048, 6144, 20, 16, 8, 128, 16384, False, exact_init=False),
 }
 
