@@ -6,7 +6,8 @@ into the target's buffer with a notification; the target spins on notifications,
 arrival with CLOCK_MONOTONIC (shared by all processes) and acknowledges each one so that the
 initiator never overlaps two transfers. Per size (1, 8, 64, 512 blocks by default):
 
-  (a) memcpy   in-process ``torch`` copy of the same bytes (1 intra-op thread)
+  (a) memcpy   in-process ``torch`` copy of the same bytes (1 intra-op thread; on a GPU a
+               device-to-device copy, synchronized)
   (b) nixl     bare nixl: ``make_prepped_xfer`` on lists prepared with the runs already merged
                into one descriptor, ``transfer``, ``check_xfer_state`` until DONE, release
   (c) kvpush   ``NixlTransferAgent.write`` (per-block prepared lists, nixl merges) + ``poll``
@@ -18,6 +19,7 @@ stays confined to ``kvpush/transfer/nixl_agent.py``.
 
     python benchmarks/transfer_bw.py [--num-layers 8 --block-size 16 --num-kv-heads 4
                                       --head-dim 64 --dtype-bytes 4 --sizes 1,8,64,512]
+                                     [--device cuda]   # both buffers in GPU memory (VRAM -> VRAM)
 """
 
 from __future__ import annotations
@@ -50,11 +52,17 @@ def kv_shape(args: argparse.Namespace) -> tuple[int, ...]:
     return (args.num_blocks, args.num_layers, 2, args.block_size, args.num_kv_heads, args.head_dim)
 
 
+def memory(device: torch.device) -> tuple[str, int]:
+    """NIXL memory type and device id of a buffer on ``device``."""
+    return ("VRAM", device.index or 0) if device.type == "cuda" else ("DRAM", 0)
+
+
 def target(conn: Any, args: argparse.Namespace) -> None:
     """The receiving instance: stamp each notification ``N:<id>`` and answer ``A:<id>``."""
     torch.set_num_threads(1)
-    kv = torch.zeros(kv_shape(args), dtype=DTYPES[args.dtype_bytes])  # [blocks, layers, 2, bs, h, d]
-    agent = NixlTransferAgent("bench-target")
+    device = torch.device(args.device)
+    kv = torch.zeros(kv_shape(args), dtype=DTYPES[args.dtype_bytes], device=device)  # [blocks, layers, 2, bs, h, d]
+    agent = NixlTransferAgent("bench-target", *memory(device))
     stamps: dict[str, int] = {}
     try:
         geometry = agent.register_kv(kv)
@@ -92,9 +100,11 @@ class Row:
 class Initiator:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        self.kv = torch.randn(kv_shape(args)).to(DTYPES[args.dtype_bytes])
+        self.device = torch.device(args.device)
+        self.kv = torch.randn(kv_shape(args), device=self.device).to(DTYPES[args.dtype_bytes])
         self.scratch = torch.empty_like(self.kv)
-        self.agent = NixlTransferAgent("bench-initiator")
+        self.mem_type, self.dev_id = memory(self.device)
+        self.agent = NixlTransferAgent("bench-initiator", self.mem_type, self.dev_id)
         self.geometry = self.agent.register_kv(self.kv)
         self.peer = ""
         self.peer_geometry: KVGeometry | None = None
@@ -121,6 +131,8 @@ class Initiator:
     def memcpy_once(self, n: int) -> float:
         t0 = time.perf_counter_ns()
         self.scratch[:n].copy_(self.kv[:n])
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         return (time.perf_counter_ns() - t0) / 1e3
 
     def raw_lists(self, n: int) -> tuple[Any, Any]:
@@ -128,8 +140,10 @@ class Initiator:
         assert self.peer_geometry is not None
         nbytes = n * self.geometry.block_bytes
         raw = self.agent._agent  # the nixl_agent object the wrapper owns
-        local = raw.prep_xfer_dlist("NIXL_INIT_AGENT", [(self.geometry.base_addr, nbytes, 0)], "DRAM")
-        remote = raw.prep_xfer_dlist(self.peer, [(self.peer_geometry.base_addr, nbytes, 0)], "DRAM")
+        local = raw.prep_xfer_dlist("NIXL_INIT_AGENT", [(self.geometry.base_addr, nbytes, self.dev_id)],
+                                    self.mem_type)
+        remote = raw.prep_xfer_dlist(self.peer, [(self.peer_geometry.base_addr, nbytes, self.peer_geometry.device_id)],
+                                     self.peer_geometry.memory_type)
         return local, remote
 
     def raw_once(self, lists: tuple[Any, Any]) -> tuple[str, int]:
@@ -196,7 +210,12 @@ def main() -> None:
                         help="target sleeps this long between notification polls (0: spin)")
     parser.add_argument("--min-iters", type=int, default=10)
     parser.add_argument("--max-iters", type=int, default=300)
+    parser.add_argument("--device", default="cpu", help="cpu (DRAM, the default) or cuda[:N] (VRAM in both processes)")
     args = parser.parse_args()
+    if args.device != "cpu":
+        from kvpush.device import resolve_device
+
+        args.device = str(resolve_device(args.device))  # a clear error without a GPU
     sizes = [int(s) for s in args.sizes.split(",")]
     args.num_blocks = args.num_blocks or max(sizes)
     torch.set_num_threads(1)
@@ -213,7 +232,8 @@ def main() -> None:
         block_bytes = init.geometry.block_bytes
         print(f"block: {args.num_layers} layers x 2 x {args.block_size} tokens x {args.num_kv_heads} heads "
               f"x {args.head_dim} x {args.dtype_bytes} B = {block_bytes // 1024} KiB; buffer "
-              f"{args.num_blocks} blocks ({args.num_blocks * block_bytes / 2**20:.0f} MiB)", flush=True)
+              f"{args.num_blocks} blocks ({args.num_blocks * block_bytes / 2**20:.0f} MiB) in "
+              f"{init.mem_type} ({args.device})", flush=True)
         pending: list[tuple[int, int, list[float], list[tuple[str, int]], list[tuple[str, int, float, int]]]] = []
         for n in sizes:
             nbytes = n * block_bytes

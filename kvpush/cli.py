@@ -26,7 +26,7 @@ from kvpush.config import (
 )
 from kvpush.errors import KVPushError
 
-PRESETS = ("tiny", "small", "bench")
+PRESETS = ("tiny", "small", "bench", "gpu-1b")
 
 
 
@@ -37,7 +37,8 @@ def _default(cls, name: str):
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--dtype", default=_default(ModelConfig, "dtype"), choices=["auto", "float32", "bfloat16", "float16"])
-    g.add_argument("--device", default=_default(ModelConfig, "device"))
+    g.add_argument("--device", default=_default(ModelConfig, "device"),
+                   help="cpu, cuda or cuda:N: where the model runs and the KV cache lives (NIXL: DRAM or VRAM)")
     g.add_argument("--max-model-len", type=int, default=_default(ModelConfig, "max_model_len"))
     g.add_argument("--block-size", type=int, default=_default(CacheConfig, "block_size"))
     g.add_argument("--num-blocks", type=int, default=_default(CacheConfig, "num_blocks"))
@@ -54,6 +55,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     _positive(args, "block_size", "max_num_seqs", "max_num_batched_tokens", "torch_threads", "kv_cache_memory_mb")
     if args.num_blocks is not None and args.num_blocks < 1:
         raise SystemExit("kvpush: --num-blocks must be at least 1")
+    _check_device(args.device)
     return EngineConfig(
         model=ModelConfig(args.model, args.dtype, args.device, args.max_model_len),
         cache=CacheConfig(args.block_size, args.num_blocks, args.kv_cache_memory_mb, not args.no_prefix_caching),
@@ -61,6 +63,19 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         torch_threads=args.torch_threads,
         seed=args.seed,
     )
+
+
+def _check_device(name: str) -> None:
+    """Fail before any process starts when --device names a GPU this machine lacks (cpu: no torch import)."""
+    if name == "cpu":
+        return
+    from kvpush.device import resolve_device
+    from kvpush.errors import DeviceError
+
+    try:
+        resolve_device(name)
+    except DeviceError as e:
+        raise SystemExit(f"kvpush: {e}") from e
 
 
 def _positive(args: argparse.Namespace, *names: str) -> None:
@@ -190,7 +205,9 @@ def up_parser() -> argparse.ArgumentParser:
 def cmd_make_model(args: argparse.Namespace) -> int:
     from kvpush.models.make_model import make_model
 
-    path = make_model(args.out, preset=args.preset, seed=args.seed, dtype=args.dtype)
+    if args.init_device != "cpu":
+        _check_device(args.init_device)
+    path = make_model(args.out, preset=args.preset, seed=args.seed, dtype=args.dtype, init_device=args.init_device)
     print(f"kvpush: wrote {args.preset} model to {path}")
     return 0
 
@@ -221,6 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", choices=PRESETS, default="tiny")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    p.add_argument("--init-device", default="cpu",
+                   help="where gpu-1b's weights are drawn (cuda: seconds instead of a minute); other presets: cpu")
     p.set_defaults(func=cmd_make_model)
     p = sub.add_parser("demo", help="the README's main job: push vs pull vs colocated on the bench model")
     p.add_argument("--model-dir", default=None, help="where the demo model lives (created if missing)")

@@ -29,3 +29,7 @@ class TransferError(KVPushError):
 
 class HandshakeError(KVPushError):
     """Two instances cannot talk: protocol version, compatibility hash or secret mismatch."""
+
+
+class DeviceError(KVPushError, ValueError):
+    """A device name is malformed, or names a device this machine does not have (e.g. cuda, no GPU)."""

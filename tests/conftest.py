@@ -11,6 +11,21 @@ torch.set_num_threads(1)
 os.environ.setdefault("KVPUSH_TORCH_THREADS", "1")
 
 
+def pytest_addoption(parser) -> None:
+    parser.addoption("--cpu-twins", action="store_true",
+                     help="also run the cpu cases of device-parametrised tests that repeat existing CPU coverage "
+                          "(scripts/gpu_check.sh --dry-run uses it to check those tests without a GPU)")
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    if config.getoption("--cpu-twins"):
+        return
+    skip = pytest.mark.skip(reason="cpu twin of existing coverage (run with --cpu-twins)")
+    for item in items:
+        if item.get_closest_marker("cpu_twin") is not None:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
     from kvpush.models.make_model import make_model

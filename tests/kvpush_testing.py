@@ -7,9 +7,22 @@ import time
 import urllib.error
 import urllib.request
 
+import pytest
+import torch
+
 from kvpush.launch import ServerProcess, free_port
 
 BS = 8
+NO_CUDA = "no CUDA device"
+ON_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
+
+
+def devices(cpu_twin: bool = False) -> list:
+    """Parameters [cpu, cuda]: cuda skips with "no CUDA device" where torch sees no GPU. With cpu_twin the
+    cpu case repeats coverage that exists elsewhere and runs only under `pytest --cpu-twins`."""
+    cpu_marks = [pytest.mark.cpu_twin] if cpu_twin else []
+    return [pytest.param("cpu", marks=cpu_marks), pytest.param("cuda", marks=ON_CUDA)]
+
 SERVE = ["--block-size", str(BS), "--num-blocks", "512", "--torch-threads", "1"]
 MAX_TOKENS = 8
 

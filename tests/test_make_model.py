@@ -190,3 +190,18 @@ def test_command_line(tmp_path, capsys):
     assert capsys.readouterr().out.strip() == str(tmp_path / "cli")
     with open(tmp_path / "cli" / "kvpush_preset.json") as f:
         assert json.load(f)["seed"] == 5
+
+
+def test_fast_init_preset_is_seeded_and_scaled():
+    """Presets without exact_init (gpu-1b) draw with torch.rand: same seed, same weights; right spread."""
+    import dataclasses
+
+    p = dataclasses.replace(PRESETS["small"], name="fast-small", exact_init=False)
+    a, b = make_weights(p, seed=3), make_weights(p, seed=3)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert not torch.equal(a["lm_head.weight"], make_weights(p, seed=4)["lm_head.weight"])
+    q = a["model.layers.0.self_attn.q_proj.weight"]
+    assert abs(q.std().item() * (p.hidden_size**0.5) - 1.0) < 0.05 and abs(q.mean().item()) < 0.01
+    norm = a["model.layers.0.input_layernorm.weight"]
+    assert 0.9 < norm.min().item() and norm.max().item() < 1.1
+    assert "exact_init" not in model_config(p)

@@ -19,6 +19,7 @@ import msgspec
 import torch
 
 from kvpush.config import EngineConfig
+from kvpush.device import resolve_device
 from kvpush.engine.block_manager import BlockManager
 from kvpush.engine.model_runner import ModelRunner
 from kvpush.engine.request import Request, RequestStatus, TokenLogprob
@@ -51,8 +52,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, connector: KVConnector | None = None) -> None:
         self.config = config
         torch.set_num_threads(config.torch_threads)
-        self.device = torch.device(config.model.device)
-        self.model, self.arch, self.dtype = load_model(config.model.model, config.model.dtype, config.model.device)
+        self.device = resolve_device(config.model.device)  # DeviceError: e.g. cuda on a machine without
+        self.model, self.arch, self.dtype = load_model(config.model.model, config.model.dtype, str(self.device))
         self.max_model_len = min(config.model.max_model_len or self.arch.max_position_embeddings,
                                  self.arch.max_position_embeddings)
         self.layout = self._layout()

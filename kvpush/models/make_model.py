@@ -74,12 +74,17 @@ class Preset:
     tie_word_embeddings: bool
     rope_theta: float = 1_000_000.0
     logit_std: float = 5.0
+    # False: weights from torch.rand on the chosen init device (fast for ~1B parameters, and the same
+    # only for the same device type and torch version) instead of the exact integer draws.
+    exact_init: bool = True
 
 
 PRESETS: dict[str, Preset] = {
     "tiny": Preset("tiny", 1024, 64, 128, 2, 4, 2, 16, 4096, True),
     "small": Preset("small", 4096, 256, 768, 4, 8, 4, 32, 8192, False),
     "bench": Preset("bench", 8192, 384, 768, 8, 6, 3, 64, 16384, False),
+    # ~1.04B parameters (Qwen3-1.7B's widths, 20 layers): for GPUs, in bfloat16 (scripts/gpu_check.sh)
+    "gpu-1b": Preset("gpu-1b", 8192, 2048, 6144, 20, 16, 8, 128, 16384, False, exact_init=False),
 }
 
 # Corpus: generated from embedded word lists with splitmix64, so it is identical everywhere.
@@ -260,7 +265,7 @@ def tokenizer_config() -> dict:
 
 def model_config(preset: Preset, dtype: str = "float32") -> dict:
     """Return the config.json contents of `preset` stored as `dtype`."""
-    sizes = {k: v for k, v in asdict(preset).items() if k not in ("name", "logit_std")}
+    sizes = {k: v for k, v in asdict(preset).items() if k not in ("name", "logit_std", "exact_init")}
     return {
         "architectures": ["Qwen3ForCausalLM"],
         "model_type": "qwen3",
@@ -302,6 +307,13 @@ def _uniform(gen: torch.Generator, shape: tuple[int, ...], std: float, mean: flo
     return (centred * (2 * half_width / (1 << bits)) + mean).to(torch.float32)
 
 
+def _fast_uniform(gen: torch.Generator, shape: tuple[int, ...], std: float, mean: float = 0.0) -> torch.Tensor:
+    """Uniform values with the given mean and std from torch.rand on the generator's device."""
+    half_width = std * math.sqrt(3.0)
+    values = torch.rand(shape, generator=gen, device=gen.device)
+    return values.mul_(2 * half_width).add_(mean - half_width)
+
+
 def _layer_shapes(p: Preset) -> list[tuple[str, tuple[int, ...], float]]:
     """(name suffix, shape, std) of one decoder layer; std 0 marks a norm weight (mean 1)."""
     h, q, kv, i = (
@@ -325,8 +337,9 @@ def _layer_shapes(p: Preset) -> list[tuple[str, tuple[int, ...], float]]:
     ]
 
 
-def make_weights(p: Preset, seed: int, dtype: str = "float32") -> dict[str, torch.Tensor]:
-    """Return the state dict (HF Qwen3 names) of a random model; deterministic in (p, seed, dtype).
+def make_weights(p: Preset, seed: int, dtype: str = "float32", init_device: str = "cpu") -> dict[str, torch.Tensor]:
+    """Return the state dict (HF Qwen3 names, on the CPU) of a random model; deterministic in
+    (p, seed, dtype), and for presets without `exact_init` also in the type of `init_device`.
 
     Norm weights are 1 +- 0.05; projections have std 1/sqrt(fan_in); the output matrix (the
     embedding when tied) has std logit_std/sqrt(hidden), so logits have std ~logit_std. When tied,
@@ -336,23 +349,24 @@ def make_weights(p: Preset, seed: int, dtype: str = "float32") -> dict[str, torc
     """
     if dtype not in DTYPES:
         raise ModelLoadError(f"unsupported dtype {dtype!r}; choose one of {sorted(DTYPES)}")
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    gen = torch.Generator(device="cpu" if p.exact_init else init_device).manual_seed(seed)
+    uniform = _uniform if p.exact_init else _fast_uniform
     out_std = p.logit_std / math.sqrt(p.hidden_size)
     emb_std = out_std if p.tie_word_embeddings else 1.0
     sd: dict[str, torch.Tensor] = {
-        "model.embed_tokens.weight": _uniform(gen, (p.vocab_size, p.hidden_size), emb_std)
+        "model.embed_tokens.weight": uniform(gen, (p.vocab_size, p.hidden_size), emb_std)
     }
     for layer in range(p.num_hidden_layers):
         for suffix, shape, std in _layer_shapes(p):
-            value = _uniform(gen, shape, 0.05, 1.0) if std == 0.0 else _uniform(gen, shape, std)
+            value = uniform(gen, shape, 0.05, 1.0) if std == 0.0 else uniform(gen, shape, std)
             sd[f"model.layers.{layer}.{suffix}"] = value
-    final_norm = _uniform(gen, (p.hidden_size,), 0.05, 1.0)
+    final_norm = uniform(gen, (p.hidden_size,), 0.05, 1.0)
     if p.tie_word_embeddings:  # random signs: no bias towards repeating the input token
-        final_norm *= torch.randint(0, 2, (p.hidden_size,), generator=gen).to(torch.float32) * 2 - 1
+        final_norm *= torch.randint(0, 2, (p.hidden_size,), generator=gen, device=gen.device).to(torch.float32) * 2 - 1
     sd["model.norm.weight"] = final_norm
     if not p.tie_word_embeddings:
-        sd["lm_head.weight"] = _uniform(gen, (p.vocab_size, p.hidden_size), out_std)
-    return {k: v.to(DTYPES[dtype]).contiguous() for k, v in sd.items()}
+        sd["lm_head.weight"] = uniform(gen, (p.vocab_size, p.hidden_size), out_std)
+    return {k: v.to(DTYPES[dtype]).contiguous().cpu() for k, v in sd.items()}
 
 
 def _write_json(path: str, obj: dict) -> None:
@@ -361,15 +375,19 @@ def _write_json(path: str, obj: dict) -> None:
         f.write("\n")
 
 
-def make_model(out_dir: str, preset: str = "tiny", seed: int = 0, dtype: str = "float32") -> str:
+def make_model(out_dir: str, preset: str = "tiny", seed: int = 0, dtype: str = "float32",
+               init_device: str = "cpu") -> str:
     """Write a random-weight Qwen3 checkpoint of `preset` into `out_dir` and return `out_dir`.
+
+    `init_device` (e.g. cuda) draws the weights of presets without `exact_init` there (seconds, not
+    a minute, for gpu-1b); exact presets ignore it.
 
     Raises ModelLoadError for an unknown preset or dtype.
     """
     if preset not in PRESETS:
         raise ModelLoadError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
     p = PRESETS[preset]
-    weights = make_weights(p, seed, dtype)
+    weights = make_weights(p, seed, dtype, init_device)
     os.makedirs(out_dir, exist_ok=True)
     save_file(weights, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(out_dir, "tokenizer.json"), "w", encoding="utf-8") as f:
@@ -377,9 +395,12 @@ def make_model(out_dir: str, preset: str = "tiny", seed: int = 0, dtype: str = "
     _write_json(os.path.join(out_dir, "config.json"), model_config(p, dtype))
     _write_json(os.path.join(out_dir, "tokenizer_config.json"), tokenizer_config())
     _write_json(os.path.join(out_dir, "generation_config.json"), generation_config())
-    _write_json(
-        os.path.join(out_dir, "kvpush_preset.json"), {"preset": asdict(p), "seed": seed, "dtype": dtype}
-    )
+    record: dict = {"preset": asdict(p), "seed": seed, "dtype": dtype}
+    if p.exact_init:
+        del record["preset"]["exact_init"]  # the exact presets' files stay as they were
+    else:
+        record["init_device"] = init_device
+    _write_json(os.path.join(out_dir, "kvpush_preset.json"), record)
     return out_dir
 
 

@@ -47,6 +47,11 @@ sync mode (NONE), posting from one thread while another polls notifications hung
 here (DESIGN.md also saw segfaults); STRICT and RW each survived 2 s of it, and all three cost
 the same single-threaded (about 5 us for a 4 KiB write + notification in one process).
 
+GPU memory: a CUDA tensor is registered as ``VRAM`` with its device id, and the agent adds UCX's
+``cuda_copy`` and ``cuda_ipc`` transports (``config.ucx_environment``). Each thread that calls the
+agent first makes that GPU's primary CUDA context current (once). The caller must have finished the
+kernels that write a block before posting it (the prefill connector synchronizes its stream).
+
 The caller owns the KV tensor's storage; the agent keeps a reference to a registered tensor so it
 cannot be freed while registered. A ``Transfer`` owns one nixl transfer handle until
 ``release``; the agent owns the prepared lists and the registration.
@@ -323,6 +328,7 @@ class NixlTransferAgent:
         self._reg: Any = None
         self._local_blocks: Any = None
         self._local_slices: Any = None
+        self._cuda_bound = threading.local()  # VRAM: threads that made the GPU's context current
 
         apply_ucx_environment(gpu=memory_type == "VRAM")
         api, bindings = _load_nixl()
@@ -678,6 +684,15 @@ class NixlTransferAgent:
     def _check_open(self, op: str) -> None:
         if self._closed:
             raise TransferError(f"{op} on closed agent {self.name!r}")
+        if self.memory_type == "VRAM" and not getattr(self._cuda_bound, "done", False):
+            self._bind_cuda_context()
+
+    def _bind_cuda_context(self) -> None:
+        """UCX's CUDA transports use the calling thread's CUDA context, and the transfer thread is not
+        the one that allocated the KV buffer: make the GPU's primary context current here, once per thread."""
+        torch.cuda.set_device(self.device_id)
+        torch.cuda.current_stream(self.device_id).query()  # a runtime call binds the primary context
+        self._cuda_bound.done = True
 
     def _peer(self, peer: str, op: str) -> _Peer:
         p = self._peers.get(peer)

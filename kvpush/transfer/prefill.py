@@ -12,11 +12,13 @@ A request that ends without a prefill (aborted) frees its blocks at once and tel
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
 
 from kvpush.config import KVMode, TransferConfig
+from kvpush.device import synchronize
 from kvpush.engine.request import Request, RequestStatus
 from kvpush.errors import InvalidRequestError
 from kvpush.transfer import protocol as pr
@@ -75,8 +77,19 @@ class PrefillConnector(RuntimeConnector):
                 indices = tuple(range(st.handed, last))
                 items.append((st.params.transfer_id, indices, tuple(request.block_table[i] for i in indices)))
                 st.handed = last
-        submit, batch = self.runtime.worker.submit, tuple(items)
-        self.engine.runner.layer_hook = (lambda layer: submit(LayersDone(layer, batch))) if batch else None
+        self.engine.runner.layer_hook = self._layer_hook(tuple(items)) if items else None
+
+    def _layer_hook(self, batch: tuple) -> Callable[[int], None]:
+        """Hand layer `layer` of `batch` to the writer. On a GPU the layer's K/V writes are only queued
+        when the hook runs: wait for them first, or the WRITE could read the blocks before they hold it."""
+        submit, device = self.runtime.worker.submit, self.engine.cache.kv.device
+        if device.type == "cpu":
+            return lambda layer: submit(LayersDone(layer, batch))
+
+        def hook(layer: int) -> None:
+            synchronize(device)
+            submit(LayersDone(layer, batch))
+        return hook
 
     def admit(self, request: Request) -> bool:
         delay = self.config.faults.delay_prefill_s
