@@ -283,7 +283,7 @@ def test_spoofed_and_malformed_notifications_are_ignored(make_cluster, tiny_mode
 
 
 def KVGeometry_from(info):  # noqa: N802 - reads like the constructor it wraps
-    from kvpush.transfer.nixl_agent import KVGeometry
+    from kvpush.transfer.descriptors import KVGeometry
 
     return KVGeometry.from_info(info)
 

@@ -40,9 +40,9 @@ from kvpush.transfer.commands import (
 )
 from kvpush.transfer.fake import FakeAgent, FakeFabric
 from kvpush.transfer.handshake import HandshakeInfo
+from kvpush.transfer.kv_agent import PeerDisconnectedError, XferStatus
 from kvpush.transfer.ledger import Side
 from kvpush.transfer.ledger import TransferState as S
-from kvpush.transfer.nixl_agent import PeerDisconnectedError, TransferState
 from kvpush.transfer.worker import TransferWorker
 
 NB, NL, BS, KVH, HD = 16, 2, 4, 2, 8  # kv[num_blocks, num_layers, 2, block_size, kv_heads, head_dim]
@@ -118,7 +118,7 @@ class Cluster:
         events = Recorder()
         w = None
         if worker:
-            w = TransferWorker(side, agent, info, None, events, BS, handshake_timeout_s=2.0)  # type: ignore[arg-type]
+            w = TransferWorker(side, agent, info, None, events, BS, handshake_timeout_s=2.0)
             if quarantine_s is not None:
                 w.ledger.quarantine_s = quarantine_s
         node = Node(agent, kv, info, events, w)
@@ -238,7 +238,7 @@ def test_fake_agent_copies_blocks_and_layers_then_notifies():
     a.connect(b)
     assert a.peers() == ["b"] and b.is_connected("a")
     t = a.write("b", [1, 2, 7], [4, 5, 0], b"hello")
-    assert t.state is TransferState.DONE and t.num_descs == 2 and t.num_bytes == 3 * ka[0].numel() * 4
+    assert t.state is XferStatus.DONE and t.num_descs == 2 and t.num_bytes == 3 * ka[0].numel() * 4
     assert torch.equal(kb[[4, 5, 0]], ka[[1, 2, 7]])
     assert b.get_notifs() == [("a", b"hello")] and b.get_notifs() == []
     t = a.write_layers("b", [3], [3], [1])
@@ -247,10 +247,10 @@ def test_fake_agent_copies_blocks_and_layers_then_notifies():
     b.delay_completion_polls = 2
     kb[8].fill_(1.5)
     t = b.read("a", [9], [8], b"rd")
-    assert t.state is TransferState.POSTED and b.in_flight() == [t]
-    assert b.poll(t) is TransferState.POSTED and b.poll(t) is TransferState.POSTED
+    assert t.state is XferStatus.POSTED and b.in_flight() == [t]
+    assert b.poll(t) is XferStatus.POSTED and b.poll(t) is XferStatus.POSTED
     assert not torch.equal(kb[9], ka[8]) and a.get_notifs() == []
-    assert b.poll(t) is TransferState.DONE
+    assert b.poll(t) is XferStatus.DONE
     assert torch.equal(kb[9], ka[8]) and a.get_notifs() == [("b", b"rd")]
     b.release(t)
     with pytest.raises(ValueError, match="out of range"):
@@ -279,7 +279,7 @@ def test_fake_agent_fault_injection():
     assert not kb.any() and b.get_notifs() == []
     a.fail_next_completion = 1
     t = a.write("b", [0], [0], b"x")
-    assert a.poll(t) is TransferState.FAILED and t.error and not kb.any() and b.get_notifs() == []
+    assert a.poll(t) is XferStatus.FAILED and t.error and not kb.any() and b.get_notifs() == []
     a.drop_notifs = 2
     for i in range(3):
         a.send_notif("b", bytes([i]))
@@ -305,7 +305,7 @@ def test_fake_agent_fault_injection():
         a.write("b", [2], [2])
     with pytest.raises(TransferError):
         a.send_notif("b", b"x")
-    assert a.poll(t) is TransferState.FAILED and not kb[1].any()
+    assert a.poll(t) is XferStatus.FAILED and not kb[1].any()
     assert a.remove_peer("b") and a.peers() == []
     b.close()
     assert "b" not in fabric

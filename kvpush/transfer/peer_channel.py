@@ -17,10 +17,11 @@ from kvpush.config import Faults
 from kvpush.errors import HandshakeError, TransferError
 from kvpush.transfer import protocol as pr
 from kvpush.transfer.commands import AddPeer, Event, PeerAddr
+from kvpush.transfer.descriptors import KVGeometry
 from kvpush.transfer.handshake import HandshakeInfo, pack, verify_and_decode
+from kvpush.transfer.kv_agent import KVAgent, Transfer
 from kvpush.transfer.layerwise import LayerwiseWriter
 from kvpush.transfer.ledger import Side, TransferLedger, TransferRecord
-from kvpush.transfer.nixl_agent import KVGeometry, NixlTransferAgent, Transfer
 from kvpush.transfer.side_channel import request as side_request
 from kvpush.transfer.stats import TransferMetrics
 
@@ -29,7 +30,7 @@ log = logging.getLogger("kvpush.transfer")
 
 class PeerChannel(threading.Thread):
     side: Side
-    agent: NixlTransferAgent
+    agent: KVAgent
     info: HandshakeInfo
     secret: str | None
     emit: Callable[[Event], None]

@@ -11,10 +11,10 @@ import time
 from kvpush.errors import TransferError
 from kvpush.transfer import protocol as pr
 from kvpush.transfer.commands import FreeBlocks, Hold, LayersDone
+from kvpush.transfer.kv_agent import Transfer
 from kvpush.transfer.layerwise import LayerwiseTransfer
 from kvpush.transfer.ledger import LedgerError, TransferRecord
 from kvpush.transfer.ledger import TransferState as S
-from kvpush.transfer.nixl_agent import Transfer
 from kvpush.transfer.peer_channel import PeerChannel
 
 

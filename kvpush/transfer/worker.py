@@ -44,10 +44,10 @@ from kvpush.transfer.commands import (
     SendNotif,
 )
 from kvpush.transfer.handshake import HandshakeInfo, pack, verify_and_decode
+from kvpush.transfer.kv_agent import KVAgent, Transfer, XferStatus
 from kvpush.transfer.layerwise import LayerwiseWriter
 from kvpush.transfer.ledger import Side, TransferLedger, TransferRecord
 from kvpush.transfer.ledger import TransferState as S
-from kvpush.transfer.nixl_agent import NixlTransferAgent, Transfer, TransferState
 from kvpush.transfer.prefill_steps import PrefillSteps
 from kvpush.transfer.stats import TransferMetrics
 
@@ -61,7 +61,7 @@ CANCELLED_TTL_S = 300.0
 
 
 class TransferWorker(PrefillSteps):
-    def __init__(self, side: Side, agent: NixlTransferAgent, info: HandshakeInfo, secret: str | None,
+    def __init__(self, side: Side, agent: KVAgent, info: HandshakeInfo, secret: str | None,
                  emit: Callable[[Event], None], block_size: int, handshake_timeout_s: float = 5.0,
                  faults: Faults | None = None, layerwise: bool = False) -> None:
         super().__init__(name=f"kvpush-transfer-{side.value}", daemon=True)
@@ -253,7 +253,7 @@ class TransferWorker(PrefillSteps):
         progressed = False
         for tid, transfer in list(self.posted.items()):
             state = self.agent.poll(transfer)
-            if state is TransferState.POSTED:
+            if state is XferStatus.POSTED:
                 continue
             progressed = True
             del self.posted[tid]
@@ -264,7 +264,7 @@ class TransferWorker(PrefillSteps):
             self._layerwise_settled(tid)
         return progressed
 
-    def _finished(self, tid: str, transfer: Transfer, state: TransferState) -> None:
+    def _finished(self, tid: str, transfer: Transfer, state: XferStatus) -> None:
         rec = self.ledger.get(tid)
         if rec is None:
             return
@@ -276,7 +276,7 @@ class TransferWorker(PrefillSteps):
             elif rec.is_quarantined:
                 self.ledger.confirm_nothing_in_flight(tid)
             return
-        if state is TransferState.DONE:
+        if state is XferStatus.DONE:
             self.metrics.observe(transfer)
             rec = self.ledger.mark_done(tid)
             if self.side is Side.PREFILL:
