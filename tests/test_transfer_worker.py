@@ -1,6 +1,6 @@
-"""The transfer thread (kvpush.transfer.worker) over fake agents: no nixl, no sockets, no servers.
+"""The transfer thread (kvpush.transfer.thread) over fake agents: no nixl, no sockets, no servers.
 
-Two ``TransferWorker`` threads (P and D) run over two ``FakeAgent``s on one ``FakeFabric`` and are
+Two ``TransferThread``s (P and D) run over two ``FakeAgent``s on one ``FakeFabric`` and are
 wired with ``AddPeer`` commands, so ``_ensure_peer`` never opens a side channel. Every wait polls
 with a deadline; every thread started here is stopped by the fixture.
 
@@ -23,27 +23,23 @@ import torch
 
 from kvpush.config import Role
 from kvpush.errors import HandshakeError, TransferError
-from kvpush.transfer import peer_channel as channel_module
+from kvpush.transfer import peers as peers_module
 from kvpush.transfer import protocol as pr
 from kvpush.transfer.commands import (
     AddPeer,
     Cancel,
-    Expect,
-    FreeBlocks,
     Hold,
-    KVFailed,
-    KVReady,
     PeerAddr,
     Read,
     Register,
     SendNotif,
 )
+from kvpush.transfer.events import FreeBlocks, KVFailed, KVReady
 from kvpush.transfer.fake import FakeAgent, FakeFabric
 from kvpush.transfer.handshake import HandshakeInfo
 from kvpush.transfer.kv_agent import PeerDisconnectedError, XferStatus
-from kvpush.transfer.ledger import Side
 from kvpush.transfer.ledger import TransferState as S
-from kvpush.transfer.worker import TransferWorker
+from kvpush.transfer.thread import TransferThread
 
 NB, NL, BS, KVH, HD = 16, 2, 4, 2, 8  # kv[num_blocks, num_layers, 2, block_size, kv_heads, head_dim]
 P_ENGINE, D_ENGINE = "prefill-e0", "decode-e0"
@@ -100,7 +96,7 @@ class Node:
     kv: torch.Tensor
     info: HandshakeInfo
     events: Recorder
-    worker: TransferWorker | None
+    worker: TransferThread | None
 
 
 class Cluster:
@@ -108,19 +104,18 @@ class Cluster:
         self.fabric = FakeFabric(seed=1234)
         self.nodes: list[Node] = []
 
-    def node(self, side: Side, engine_id: str, agent_name: str, *, worker: bool = True,
+    def node(self, side: Role, engine_id: str, agent_name: str, *, worker: bool = True,
              quarantine_s: float | None = None, seed: int = 0) -> Node:
         gen = torch.Generator().manual_seed(seed)
         kv = torch.randn(NB, NL, 2, BS, KVH, HD, generator=gen)
         agent = self.fabric.agent(agent_name)
         agent.register_kv(kv)
-        info = agent.handshake_info(engine_id, Role.PREFILL if side is Side.PREFILL else Role.DECODE)
+        info = agent.handshake_info(engine_id, side)
         events = Recorder()
         w = None
         if worker:
-            w = TransferWorker(side, agent, info, None, events, BS, handshake_timeout_s=2.0)
-            if quarantine_s is not None:
-                w.ledger.quarantine_s = quarantine_s
+            w = TransferThread(side, agent, info, None, events, BS, handshake_timeout_s=2.0,
+                               quarantine_s=quarantine_s)
         node = Node(agent, kv, info, events, w)
         self.nodes.append(node)
         if w is not None:
@@ -167,8 +162,8 @@ def cluster():
 
 
 def make_pair(cluster: Cluster, d_quarantine_s: float | None = None) -> tuple[Node, Node]:
-    p = cluster.node(Side.PREFILL, P_ENGINE, P_AGENT, seed=1)
-    d = cluster.node(Side.DECODE, D_ENGINE, D_AGENT, seed=2, quarantine_s=d_quarantine_s)
+    p = cluster.node(Role.PREFILL, P_ENGINE, P_AGENT, seed=1)
+    d = cluster.node(Role.DECODE, D_ENGINE, D_AGENT, seed=2, quarantine_s=d_quarantine_s)
     assert add_peer(p, d) == D_AGENT
     assert add_peer(d, p) == P_AGENT
     return p, d
@@ -210,7 +205,6 @@ def start_push(p: Node, d: Node, tid: str, order: str, *, first: int | None = 7,
     """Register on D and Hold on P in the given order, each seen by P before the other is sent."""
     assert p.worker is not None and d.worker is not None
     if order == "register_first":
-        p.worker.submit(Expect(tid))
         d.worker.submit(register(tid, d_blocks, prefix=prefix, deadline_s=d_deadline_s))
         wait_until(lambda: rec_state(p, tid) is S.REGISTERED, what="P sees the PushReg")
         p.worker.submit(hold(tid, p_blocks, first=first, lease_s=lease_s))
@@ -425,7 +419,7 @@ def test_pull_read_failure(pd, fault):
 def test_unknown_stale_duplicate_foreign_and_malformed_notifications(cluster):
     p, d = make_pair(cluster)
     assert p.worker is not None and d.worker is not None
-    intruder = cluster.node(Side.PREFILL, "intruder-e0", "intruder-a0", worker=False, seed=3)
+    intruder = cluster.node(Role.PREFILL, "intruder-e0", "intruder-a0", worker=False, seed=3)
     intruder.agent.add_peer(d.agent.metadata(), d.agent.geometry)  # type: ignore[arg-type]
 
     done_tid = pr.new_transfer_id()
@@ -441,7 +435,6 @@ def test_unknown_stale_duplicate_foreign_and_malformed_notifications(cluster):
     wait_until(lambda: counters(d).ignored_stale == c0.ignored_stale + 1, what="stale counted")
 
     live = pr.new_transfer_id()
-    p.worker.submit(Expect(live))
     d.worker.submit(register(live, (2, 6)))
     wait_until(lambda: rec_state(p, live) is S.REGISTERED)
     intruder.agent.send_notif(D_AGENT, pr.encode(pr.Done(live, 5)))  # foreign
@@ -510,7 +503,6 @@ def test_d_cancel_before_p_prefill(pd):
     p, d = pd
     assert p.worker is not None and d.worker is not None
     tid = pr.new_transfer_id()
-    p.worker.submit(Expect(tid))
     d.worker.submit(register(tid, D_BLOCKS))
     wait_until(lambda: rec_state(p, tid) is S.REGISTERED)
     d.worker.submit(Cancel(tid, "decode aborted", P_ENGINE))
@@ -549,7 +541,6 @@ def test_p_cancel_before_registration_answers_the_push_reg(pd):
     p, d = pd
     assert p.worker is not None and d.worker is not None
     tid = pr.new_transfer_id()
-    p.worker.submit(Expect(tid))
     p.worker.submit(Cancel(tid, "prefill aborted", D_ENGINE))  # before any record: remembered
     wait_until(lambda: counters(d).ignored_unknown == 1, what="D ignores the early Fail")
     d.worker.submit(register(tid, D_BLOCKS))
@@ -563,8 +554,8 @@ def test_p_cancel_before_registration_answers_the_push_reg(pd):
 
 
 def test_lease_expiry_frees_p_blocks_and_tells_d(cluster):
-    p = cluster.node(Side.PREFILL, P_ENGINE, P_AGENT, seed=1)
-    d = cluster.node(Side.DECODE, D_ENGINE, D_AGENT, worker=False, seed=2)  # a bare agent: read its inbox
+    p = cluster.node(Role.PREFILL, P_ENGINE, P_AGENT, seed=1)
+    d = cluster.node(Role.DECODE, D_ENGINE, D_AGENT, worker=False, seed=2)  # a bare agent: read its inbox
     add_peer(p, d)
     assert p.worker is not None
     tid = pr.new_transfer_id()
@@ -617,7 +608,7 @@ def test_idle_after_a_completed_transfer_uses_little_cpu(pd):
 
 
 def test_join_after_stop(cluster):
-    p = cluster.node(Side.PREFILL, P_ENGINE, P_AGENT, seed=1)
+    p = cluster.node(Role.PREFILL, P_ENGINE, P_AGENT, seed=1)
     assert p.worker is not None
     p.worker.stop()
     assert join(p.worker, 3.0)
@@ -679,7 +670,7 @@ def test_push_reg_with_out_of_range_blocks_does_not_kill_p(pd):
 
 
 def test_idle_after_lease_expiry_uses_little_cpu(cluster):
-    p = cluster.node(Side.PREFILL, P_ENGINE, P_AGENT, seed=1)
+    p = cluster.node(Role.PREFILL, P_ENGINE, P_AGENT, seed=1)
     assert p.worker is not None
     p.worker.submit(hold(pr.new_transfer_id(), P_BLOCKS, lease_s=0.1, decode=None))
     p.events.wait(FreeBlocks)
@@ -694,7 +685,7 @@ def test_reconnect_after_disconnect(pd, monkeypatch):
     p, d = pd
     assert p.worker is not None and d.worker is not None
     # an in-process side channel: D's handshake request goes straight to P's handle_handshake
-    monkeypatch.setattr(channel_module, "side_request", lambda host, port, payload, timeout: (
+    monkeypatch.setattr(peers_module, "side_request", lambda host, port, payload, timeout: (
         p.worker.handle_handshake(payload)))  # type: ignore[union-attr]
     d.agent.disconnect(P_AGENT)
     tid = pr.new_transfer_id()
@@ -709,8 +700,8 @@ def test_reconnect_after_disconnect(pd, monkeypatch):
 
 def test_in_process_handshake_then_push(cluster, monkeypatch):
     """No AddPeer on D: _ensure_peer handshakes (in process) and P learns D from handle_handshake."""
-    p = cluster.node(Side.PREFILL, P_ENGINE, P_AGENT, seed=1)
-    d = cluster.node(Side.DECODE, D_ENGINE, D_AGENT, seed=2)
+    p = cluster.node(Role.PREFILL, P_ENGINE, P_AGENT, seed=1)
+    d = cluster.node(Role.DECODE, D_ENGINE, D_AGENT, seed=2)
     assert p.worker is not None and d.worker is not None
     calls = []
 
@@ -718,10 +709,10 @@ def test_in_process_handshake_then_push(cluster, monkeypatch):
         calls.append((host, port))
         return p.worker.handle_handshake(payload)  # type: ignore[union-attr]
 
-    monkeypatch.setattr(channel_module, "side_request", fake_request)
+    monkeypatch.setattr(peers_module, "side_request", fake_request)
     tid = pr.new_transfer_id()
     start_push(p, d, tid, "register_first")
     d.events.wait(KVReady, tid)
     assert calls == [(P_ADDR.host, P_ADDR.port)]
-    assert p.worker.peers == {D_ENGINE: D_AGENT} and d.worker.peers == {P_ENGINE: P_AGENT}
+    assert p.worker.peers.names == {D_ENGINE: D_AGENT} and d.worker.peers.names == {P_ENGINE: P_AGENT}
     assert np.array_equal(d.kv[list(D_BLOCKS)].numpy(), p.kv[list(P_BLOCKS)].numpy())

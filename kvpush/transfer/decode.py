@@ -24,16 +24,8 @@ from kvpush.config import FirstToken, KVMode, OnKVFailure, TransferConfig
 from kvpush.engine.request import Request, RequestStatus, TokenLogprob
 from kvpush.errors import InvalidRequestError
 from kvpush.transfer import protocol as pr
-from kvpush.transfer.commands import (
-    Cancel,
-    FreeBlocks,
-    KVFailed,
-    KVReady,
-    PeerAddr,
-    Read,
-    Register,
-    SendNotif,
-)
+from kvpush.transfer.commands import Cancel, PeerAddr, Read, Register, SendNotif
+from kvpush.transfer.events import FreeBlocks, KVFailed, KVReady
 from kvpush.transfer.prefill import parse_params
 from kvpush.transfer.runtime import RuntimeConnector, TransferRuntime
 

@@ -1,7 +1,7 @@
 """The prefill side (P) of a disaggregated deployment.
 
 Request lifecycle on P:
-    admitted (kv_transfer_params = PrefillLegParams; max_tokens forced to 1; push: Expect sent)
+    admitted (kv_transfer_params = PrefillLegParams; max_tokens forced to 1)
     -> prefill computed, first token sampled -> FINISHED: blocks *held* (Hold sent to the transfer
        thread) and PrefillResult returned to the proxy (pull: P's block ids and lease)
     -> transfer DONE (push: WRITE done; pull: D's ReadDone; either: D's Release)
@@ -20,7 +20,8 @@ from kvpush.config import KVMode, TransferConfig
 from kvpush.engine.request import Request, RequestStatus
 from kvpush.errors import InvalidRequestError
 from kvpush.transfer import protocol as pr
-from kvpush.transfer.commands import Cancel, Expect, FreeBlocks, Hold, LayersDone
+from kvpush.transfer.commands import Cancel, Hold, LayersDone
+from kvpush.transfer.events import FreeBlocks
 from kvpush.transfer.runtime import RuntimeConnector, TransferRuntime
 
 
@@ -55,8 +56,6 @@ class PrefillConnector(RuntimeConnector):
         params = parse_params(kv_transfer_params, pr.PrefillLegParams, self.runtime.mode, "prefill")
         request.sampling_params = msgspec.structs.replace(request.sampling_params, max_tokens=1, min_tokens=0)
         request.kv_state = PrefillState(params)
-        if params.mode.is_push:
-            self.runtime.worker.submit(Expect(params.transfer_id))
 
     def before_forward(self, scheduled: list[tuple[Request, int]]) -> None:
         """Layer-wise push: after each layer, hand the writer the blocks this chunk completes (the last

@@ -18,13 +18,12 @@ from collections.abc import Callable
 from kvpush.config import KVMode, Role, TransferConfig
 from kvpush.kv_cache import KVCache
 from kvpush.transfer.base import KVConnector
-from kvpush.transfer.commands import Event
+from kvpush.transfer.events import Event
 from kvpush.transfer.handshake import HandshakeInfo, compat_hash, compat_summary
-from kvpush.transfer.ledger import Side
 from kvpush.transfer.nixl_agent import NixlTransferAgent
 from kvpush.transfer.side_channel import SideChannelServer
 from kvpush.transfer.stats import TransferStats
-from kvpush.transfer.worker import TransferWorker
+from kvpush.transfer.thread import TransferThread
 
 
 def model_identity(model_dir: str) -> str:
@@ -65,10 +64,9 @@ class TransferRuntime:
             block_bytes=geometry.block_bytes, layer_bytes=geometry.layer_bytes,
             memory_type=geometry.memory_type, device_id=geometry.device_id,
             compat_hash=compat_hash(*fields), compat_summary=compat_summary(*fields))
-        side = Side.PREFILL if role is Role.PREFILL else Side.DECODE
-        self.worker = TransferWorker(side, self.agent, self.info, config.kv_secret, self._emit, layout.block_size,
-                                     faults=config.faults, layerwise=config.kv_mode is KVMode.PUSH_LAYERWISE)
-        self.worker.ledger.quarantine_s = config.kv_quarantine_s
+        self.worker = TransferThread(role, self.agent, self.info, config.kv_secret, self._emit, layout.block_size,
+                                     faults=config.faults, layerwise=config.kv_mode is KVMode.PUSH_LAYERWISE,
+                                     quarantine_s=config.kv_quarantine_s)
 
     @property
     def kv_address(self) -> str:
