@@ -29,3 +29,7 @@ class TransferError(KVPushError):
 
 class HandshakeError(KVPushError):
     """Two instances cannot talk: protocol version, compatibility hash or secret mismatch."""
+
+
+class ProtocolError(TransferError):
+    """A control message or leg parameter is malformed, oversized, or from another protocol version."""

@@ -21,6 +21,7 @@ from kvpush.config import ServerConfig
 from kvpush.engine.engine import check_prompt
 from kvpush.engine.sampling_params import SamplingParams
 from kvpush.errors import InvalidRequestError
+from kvpush.kv_params import RequestLegParams
 from kvpush.server import responses as R
 from kvpush.server.engine_client import EngineClient
 from kvpush.server.generation import EngineRequestError, Generator, GenEvent, GenState
@@ -172,7 +173,7 @@ class OpenAIServer:
         return await self._end_stream(stream, rid, "text_completion", states, body.include_usage)
 
     async def _merge(self, states: list[GenState], params: SamplingParams,
-                     kv: dict | None) -> AsyncGenerator[tuple[int, GenEvent], None]:
+                     kv: RequestLegParams | None) -> AsyncGenerator[tuple[int, GenEvent], None]:
         if len(states) == 1:
             async with aclosing(self.generator.stream(states[0], params, kv)) as events:
                 async for ev in events:

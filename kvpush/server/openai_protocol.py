@@ -10,7 +10,8 @@ from typing import Any
 import msgspec
 
 from kvpush.engine.sampling_params import SamplingParams
-from kvpush.errors import InvalidRequestError
+from kvpush.errors import InvalidRequestError, ProtocolError
+from kvpush.kv_params import RequestLegParams
 
 
 class StreamOptions(msgspec.Struct):
@@ -34,7 +35,7 @@ class _Common(msgspec.Struct, kw_only=True):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     user: str | None = None
-    kv_transfer_params: dict[str, Any] | None = None
+    kv_transfer_params: RequestLegParams | None = None  # set by the proxy
 
     def sampling_params(self, default_max_tokens: int, logprobs: int | None) -> SamplingParams:
         _require(self.n == 1, "only n=1 is supported", "n")
@@ -126,6 +127,8 @@ def parse_body(body: bytes, cls: type[msgspec.Struct]) -> Any:
     decoder = _decoders.setdefault(cls, msgspec.json.Decoder(cls))
     try:
         return decoder.decode(body)
+    except ProtocolError as e:  # a leg parameter's own check
+        raise InvalidRequestError(str(e), param="kv_transfer_params") from e
     except msgspec.ValidationError as e:
         raise InvalidRequestError(f"invalid request: {e}") from e
     except msgspec.DecodeError as e:
