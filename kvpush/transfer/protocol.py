@@ -53,6 +53,15 @@ MAX_REASON_CHARS = 1024
 __all__ = ["PROTOCOL_VERSION", "ProtocolError", "new_transfer_id"]  # for users of the messages
 
 
+class _TransferMessage(msgspec.Struct, frozen=True, array_like=True):
+    """A message about one transfer and nothing else (its subclasses are tagged by their name)."""
+
+    transfer_id: str
+
+    def __post_init__(self) -> None:
+        check_transfer_id(self.transfer_id)
+
+
 class PushReg(msgspec.Struct, tag=True, frozen=True, array_like=True):
     """D -> P (push): D's blocks for the request. P writes only the blocks after
     ``num_prefix_tokens`` (tokens D already holds from its prefix cache)."""
@@ -75,8 +84,8 @@ class PushReg(msgspec.Struct, tag=True, frozen=True, array_like=True):
         check_time(self.deadline, "deadline")
 
 
-class Done(msgspec.Struct, tag=True, frozen=True, array_like=True):
-    """P -> D (push): the WRITE completed; the notification of the WRITE itself."""
+class _Landed(msgspec.Struct, frozen=True, array_like=True):
+    """P -> D: all of D's KV has landed; P's first token rides along (first-token from-prefill)."""
 
     transfer_id: str
     first_token_id: int | None = None
@@ -88,6 +97,10 @@ class Done(msgspec.Struct, tag=True, frozen=True, array_like=True):
         check_transfer_id(self.transfer_id)
         require(self.first_token_id is None or 0 <= self.first_token_id < 2**32,
                 "first_token_id must be in [0, 2**32)")
+
+
+class Done(_Landed, tag=True, frozen=True, array_like=True):
+    """P -> D (push): the WRITE completed; the notification of the WRITE itself."""
 
 
 class Fail(msgspec.Struct, tag=True, frozen=True, array_like=True):
@@ -106,26 +119,16 @@ class Fail(msgspec.Struct, tag=True, frozen=True, array_like=True):
         return cls(transfer_id, reason[:MAX_REASON_CHARS])
 
 
-class Abort(msgspec.Struct, tag=True, frozen=True, array_like=True):
+class Abort(_TransferMessage, tag=True, frozen=True, array_like=True):
     """Either way: the sender gave up on the transfer (cancelled, deadline); nothing of its own in flight."""
 
-    transfer_id: str
 
-    def __post_init__(self) -> None:
-        check_transfer_id(self.transfer_id)
-
-
-class Release(msgspec.Struct, tag=True, frozen=True, array_like=True):
+class Release(_TransferMessage, tag=True, frozen=True, array_like=True):
     """D -> P (push): D had a full prefix hit and needs no KV; P may free its blocks."""
-
-    transfer_id: str
-
-    def __post_init__(self) -> None:
-        check_transfer_id(self.transfer_id)
 
 
 class LeaseRenew(msgspec.Struct, tag=True, frozen=True, array_like=True):
-    """D -> P (pull): keep the blocks until ``until`` (unix time); P may cap it."""
+    """D -> P: keep the blocks of a finished prefill until ``until`` (unix time); P may cap it."""
 
     transfer_id: str
     until: float
@@ -135,25 +138,12 @@ class LeaseRenew(msgspec.Struct, tag=True, frozen=True, array_like=True):
         check_time(self.until, "until")
 
 
-class ReadDone(msgspec.Struct, tag=True, frozen=True, array_like=True):
+class ReadDone(_TransferMessage, tag=True, frozen=True, array_like=True):
     """D -> P (pull): D's READ of P's blocks completed; P frees them."""
 
-    transfer_id: str
 
-    def __post_init__(self) -> None:
-        check_transfer_id(self.transfer_id)
-
-
-class Commit(msgspec.Struct, tag=True, frozen=True, array_like=True):
+class Commit(_Landed, tag=True, frozen=True, array_like=True):
     """P -> D (layer-wise push): every layer of every block D registered has landed; like Done."""
-
-    transfer_id: str
-    first_token_id: int | None = None
-    reg_received: float | None = None
-    write_posted: float | None = None
-
-    def __post_init__(self) -> None:
-        check_transfer_id(self.transfer_id)
 
 
 Message = PushReg | Done | Fail | Abort | Release | LeaseRenew | ReadDone | Commit

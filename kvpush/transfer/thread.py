@@ -116,6 +116,7 @@ class TransferThread(threading.Thread):
         self.pacer = Pacer()
         self._stopping = threading.Event()  # not `_stop`: that name is Thread's own
         self._last_housekeeping = 0.0
+        self.rounds = 0  # loop rounds run (what a test waits on to know the thread caught up)
 
     # ---- thread API (any thread) -----------------------------------------------------------
     def submit(self, command: Command) -> None:
@@ -123,6 +124,10 @@ class TransferThread(threading.Thread):
 
     def stop(self) -> None:
         self._stopping.set()
+        self.commands.put(None)
+
+    def wake(self) -> None:
+        """Start a loop round now if the thread is waiting idle."""
         self.commands.put(None)
 
     def handle_handshake(self, frame: bytes) -> bytes:
@@ -144,7 +149,7 @@ class TransferThread(threading.Thread):
     def run(self) -> None:
         cpu0 = time.thread_time()
         while not self._stopping.is_set():
-            cap = self.pacer.cap(bool(self.posted) or bool(self.peers.delayed), self.side.relaxed(self.pacer.live))
+            cap = self.poll_cap()
             try:
                 progressed = self._round(self.pacer.queue_timeout(cap))
             except (TransferError, ValueError) as e:  # never let one bad transfer stop the thread
@@ -154,7 +159,12 @@ class TransferThread(threading.Thread):
                 self.pacer.refresh(self.ledger)
             self.metrics.thread_cpu_s = time.thread_time() - cpu0
             self.pacer.after_round(progressed, cap)
+            self.rounds += 1
         self.agent.close()
+
+    def poll_cap(self) -> float | None:
+        """The longest sleep between rounds now; None: idle, the thread blocks on its queue."""
+        return self.pacer.cap(bool(self.posted) or bool(self.peers.delayed), self.side.relaxed(self.pacer.live))
 
     def _round(self, wait_s: float | None) -> bool:
         progressed = self._drain(wait_s)
