@@ -34,6 +34,7 @@ from kvpush.transfer.commands import (
     Register,
     SendNotif,
 )
+from kvpush.transfer.descriptors import KVGeometry
 from kvpush.transfer.events import FreeBlocks, KVFailed, KVReady
 from kvpush.transfer.fake import FakeAgent, FakeFabric
 from kvpush.transfer.handshake import HandshakeInfo
@@ -61,6 +62,11 @@ def wait_until(cond: Callable[[], Any], timeout: float = TIMEOUT, what: str = "c
         if time.monotonic() >= deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(0.002)
+
+
+def geometry(agent: FakeAgent) -> KVGeometry:
+    assert agent.geometry is not None, "register_kv first"
+    return agent.geometry
 
 
 def quiesce(*nodes: Node) -> None:
@@ -270,7 +276,7 @@ def test_fake_agent_copies_blocks_and_layers_then_notifies():
     with pytest.raises(ValueError):
         a.write("b", [0, 1], [0])
     with pytest.raises(HandshakeError, match="already added"):
-        a.add_peer(b.metadata(), b.geometry)  # type: ignore[arg-type]
+        a.add_peer(b.metadata(), geometry(b))
     a.close()
     b.close()
 
@@ -436,7 +442,7 @@ def test_unknown_stale_duplicate_foreign_and_malformed_notifications(cluster):
     p, d = make_pair(cluster)
     assert p.worker is not None and d.worker is not None
     intruder = cluster.node(Role.PREFILL, "intruder-e0", "intruder-a0", worker=False, seed=3)
-    intruder.agent.add_peer(d.agent.metadata(), d.agent.geometry)  # type: ignore[arg-type]
+    intruder.agent.add_peer(d.agent.metadata(), geometry(d.agent))
 
     done_tid = pr.new_transfer_id()
     start_push(p, d, done_tid, "hold_first")

@@ -171,7 +171,7 @@ class FakeAgent(AgentCore):
 
     def handshake_info(self, engine_id: str | None = None, role: Role = Role.PREFILL, *,
                        compat_hash: str = "fake-compat", compat_summary: str = "fake") -> HandshakeInfo:
-        """The ``HandshakeInfo`` of this agent's registration (for a ``TransferWorker`` or ``AddPeer``)."""
+        """The ``HandshakeInfo`` of this agent's registration (for a ``TransferThread`` or ``AddPeer``)."""
         g = self._geometry
         if g is None:
             raise TransferError(f"agent {self.name!r}: register_kv before handshake_info")
