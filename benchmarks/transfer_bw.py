@@ -38,7 +38,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvpush.transfer.nixl_agent import KVGeometry, NixlTransferAgent, TransferState  # noqa: E402
+from kvpush.transfer.descriptors import KVGeometry  # noqa: E402
+from kvpush.transfer.kv_agent import XferStatus  # noqa: E402
+from kvpush.transfer.nixl_agent import NixlTransferAgent  # noqa: E402
 
 DTYPES = {1: torch.uint8, 2: torch.bfloat16, 4: torch.float32}
 TIMEOUT_S = 30.0
@@ -167,7 +169,7 @@ class Initiator:
         self.next_id += 1
         t0 = now_ns()
         t = self.agent.write(self.peer, blocks, blocks, f"N:{ident}".encode())
-        if self.agent.wait(t, TIMEOUT_S) is not TransferState.DONE:
+        if self.agent.wait(t, TIMEOUT_S) is not XferStatus.DONE:
             raise RuntimeError(f"wrapper transfer failed: {t.error}")
         self.agent.release(t)
         self._await_ack(ident, self.agent.get_notifs)

@@ -118,12 +118,14 @@ def add_transfer_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def transfer_config_from_args(args: argparse.Namespace) -> TransferConfig:
-    if args.kv_lease_s <= 0 or args.kv_timeout_s <= 0 or args.kv_quarantine_s < 0:
-        raise SystemExit("kvpush: --kv-lease-s and --kv-timeout-s must be positive, --kv-quarantine-s >= 0")
-    return TransferConfig(kv_mode=KVMode(args.kv_mode), kv_port=args.kv_port, kv_host=args.kv_host,
-                          kv_advertise_host=args.kv_advertise_host, kv_quarantine_s=args.kv_quarantine_s,
-                          kv_secret=args.kv_secret, kv_lease_s=args.kv_lease_s, kv_timeout_s=args.kv_timeout_s,
-                          on_kv_failure=OnKVFailure(args.on_kv_failure), faults=_faults(args.fault_inject))
+    faults = _faults(args.fault_inject)
+    try:
+        return TransferConfig(kv_mode=KVMode(args.kv_mode), kv_port=args.kv_port, kv_host=args.kv_host,
+                              kv_advertise_host=args.kv_advertise_host, kv_quarantine_s=args.kv_quarantine_s,
+                              kv_secret=args.kv_secret, kv_lease_s=args.kv_lease_s, kv_timeout_s=args.kv_timeout_s,
+                              on_kv_failure=OnKVFailure(args.on_kv_failure), faults=faults)
+    except ValueError as e:
+        raise SystemExit(f"kvpush: {e}") from e
 
 
 def _faults(specs: list[str]) -> Faults:

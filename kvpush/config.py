@@ -112,12 +112,18 @@ class Faults:
                 value = float(raw)
             except ValueError as e:
                 raise ValueError(f"fault {name!r} needs a number, as in {name}:0.1") from e
-            if value < 0 or (name in ("drop-notif", "fail-post") and value > 1):
-                raise ValueError(f"fault {name!r}: {value} is out of range")
             key = {"delay-notif": "delay_notif_s", "delay-prefill": "delay_prefill_s", "fault-seed": "seed"}.get(
                 name, name.replace("-", "_"))
             values[key] = int(value) if key == "seed" else value
         return cls(**values)  # type: ignore[arg-type]
+
+    def __post_init__(self) -> None:
+        for name in ("drop_notif", "fail_post"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"fault {name.replace('_', '-')!r}: {getattr(self, name)} is not a probability")
+        for name in ("delay_notif_s", "delay_prefill_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"fault {name.replace('_s', '').replace('_', '-')!r}: {getattr(self, name)} < 0")
 
 
 @dataclass(frozen=True)
@@ -135,6 +141,14 @@ class TransferConfig:
     on_kv_failure: OnKVFailure = OnKVFailure.ERROR
     # Fault injection for tests, off unless given: see Faults.
     faults: Faults = field(default_factory=lambda: Faults())
+
+    def __post_init__(self) -> None:
+        if self.kv_lease_s <= 0 or self.kv_timeout_s <= 0:
+            raise ValueError("--kv-lease-s and --kv-timeout-s must be positive")
+        if self.kv_quarantine_s < 0:
+            raise ValueError("--kv-quarantine-s must be >= 0")
+        if not 0 <= self.kv_port < 65536:
+            raise ValueError(f"--kv-port must be in [0, 65535], got {self.kv_port}")
 
 
 @dataclass(frozen=True)

@@ -33,3 +33,7 @@ class HandshakeError(KVPushError):
 
 class DeviceError(KVPushError, ValueError):
     """A device name is malformed, or names a device this machine does not have (e.g. cuda, no GPU)."""
+
+
+class ProtocolError(TransferError):
+    """A control message or leg parameter is malformed, oversized, or from another protocol version."""

@@ -74,30 +74,41 @@ def test_prefill_lease_expiry_frees_blocks(make_cluster, mode):
 
 def test_decode_renews_lease_while_waiting(make_cluster, reference):
     """Pull: D waits for a free slot longer than P's lease; its LeaseRenew keeps P's KV alive."""
-    c = make_cluster("pull", extra_prefill=("--kv-lease-s", "1"), extra_decode=("--max-num-seqs", "1"))
-    proxy = c.proxy()
+    lease_s = 1.0
+    c = make_cluster("pull", extra_prefill=("--kv-lease-s", str(lease_s)), extra_decode=("--max-num-seqs", "1"))
+    proxy, p, d = c.proxy(), c.prefills[0], c.decodes[0]
 
     async def main():
         async with aiohttp.ClientSession() as s:
-            hog = {"prompt": prompt_of(BS, 3), "max_tokens": 3500, "ignore_eos": True, "temperature": 0}
+            hog = {"prompt": prompt_of(BS, 3), "max_tokens": 3500, "ignore_eos": True, "stream": True}
             waiter = prompt_of(2 * BS + 1, 4)
             body = {"prompt": waiter, "max_tokens": 8, "ignore_eos": True, "temperature": 0, "logprobs": 0}
+
+            async def stream_hog():  # holds D's only slot until cancelled
+                async with s.post(proxy.url + "/v1/completions", json=hog) as r:
+                    async for _ in r.content:
+                        pass
 
             async def call(b):
                 async with s.post(proxy.url + "/v1/completions", json=b) as r:
                     return r.status, await r.json()
 
-            hog_task = asyncio.create_task(call(hog))
-            await asyncio.sleep(0.5)
-            t0 = time.monotonic()
-            status, out = await call(body)
-            waited = time.monotonic() - t0
-            await hog_task
-            return status, out, waited, waiter
+            hog_task = asyncio.create_task(stream_hog())
+            await asyncio.to_thread(wait_for, lambda: metric(d.url, "kvpush_num_requests_running") == 1, 30,
+                                    "the hog runs on D")
+            waiter_task = asyncio.create_task(call(body))
+            await asyncio.to_thread(wait_for, lambda: metric(d.url, "kvpush_num_requests_waiting") == 1, 30,
+                                    "the waiter queues on D behind the hog")
+            held = time.time()  # P holds the waiter's blocks (pull: before D's leg was sent)
+            await asyncio.to_thread(wait_for, lambda: time.time() > held + 2 * lease_s, 10,
+                                    "twice P's lease has passed")
+            hog_task.cancel()
+            status, out = await waiter_task
+            return status, out, waiter
 
-    status, out, waited, waiter = asyncio.run(main())
+    status, out, waiter = asyncio.run(main())
     assert status == 200, out
-    assert waited > 2.0  # it really outlived P's 1 s lease
+    assert metrics_all(p.url).get("kvpush_kv_transfers{state=expired}", 0) == 0  # renewed, never expired
     choice = out["choices"][0]
     assert (choice["logprobs"]["tokens"], choice["text"]) == reference(waiter)
 
@@ -285,7 +296,7 @@ def test_spoofed_and_malformed_notifications_are_ignored(make_cluster, tiny_mode
 
 
 def KVGeometry_from(info):  # noqa: N802 - reads like the constructor it wraps
-    from kvpush.transfer.nixl_agent import KVGeometry
+    from kvpush.transfer.descriptors import KVGeometry
 
     return KVGeometry.from_info(info)
 

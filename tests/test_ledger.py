@@ -9,15 +9,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
+from kvpush.config import Role
 from kvpush.errors import TransferError
-from kvpush.transfer.ledger import (
-    INITIAL_STATES,
-    TRANSITIONS,
-    LedgerError,
-    Side,
-    TransferLedger,
-    TransferState,
-)
+from kvpush.transfer.ledger import TransferLedger
 from kvpush.transfer.protocol import (
     Abort,
     Commit,
@@ -30,6 +24,7 @@ from kvpush.transfer.protocol import (
     Release,
     new_transfer_id,
 )
+from kvpush.transfer.records import INITIAL_STATES, TRANSITIONS, LedgerError, TransferState
 
 S = TransferState
 D_ID, P_ID, EVIL = "decode-0", "prefill-0", "decode-evil"
@@ -37,11 +32,11 @@ T0 = 1000.0
 
 
 def p_ledger() -> TransferLedger:
-    return TransferLedger(Side.PREFILL, tombstone_s=100.0, quarantine_s=50.0, clock=lambda: T0)
+    return TransferLedger(Role.PREFILL, tombstone_s=100.0, quarantine_s=50.0, clock=lambda: T0)
 
 
 def d_ledger() -> TransferLedger:
-    return TransferLedger(Side.DECODE, tombstone_s=100.0, quarantine_s=50.0, clock=lambda: T0)
+    return TransferLedger(Role.DECODE, tombstone_s=100.0, quarantine_s=50.0, clock=lambda: T0)
 
 
 def reg(tid: str, blocks: list[int] | None = None, deadline: float = T0 + 30, engine: str = D_ID) -> PushReg:
@@ -214,13 +209,13 @@ def test_unknown_stale_foreign_and_unexpected_notifications_are_counted() -> Non
     assert led.on_notification(Done(tid), "prefill-9") is None
     assert led.on_notification(Fail(tid, "x"), "prefill-9") is None
     assert led.on_notification(ReadDone(tid), P_ID) is None
-    assert led.on_notification(Commit(tid), P_ID) is None
+    assert led.on_notification(Commit(tid), "prefill-9") is None
     assert led.on_notification(reg(tid), P_ID) is None
     assert led.get(tid) == before
     led.on_notification(Done(tid), P_ID)
     assert led.on_notification(Fail(tid, "late"), P_ID) is None
     c = led.counters
-    assert (c.ignored_unknown, c.ignored_foreign, c.ignored_unexpected, c.ignored_stale) == (1, 2, 3, 1)
+    assert (c.ignored_unknown, c.ignored_foreign, c.ignored_unexpected, c.ignored_stale) == (1, 3, 2, 1)
     assert led.get(tid).state is S.DONE  # type: ignore[union-attr]
 
 
@@ -327,8 +322,8 @@ class PushPair(RuleBasedStateMachine):
     @initialize()
     def setup(self) -> None:
         self.now = T0
-        self.p = TransferLedger(Side.PREFILL, tombstone_s=30.0, max_lease_s=60.0, clock=lambda: self.now)
-        self.d = TransferLedger(Side.DECODE, tombstone_s=30.0, quarantine_s=QUARANTINE_S,
+        self.p = TransferLedger(Role.PREFILL, tombstone_s=30.0, max_lease_s=60.0, clock=lambda: self.now)
+        self.d = TransferLedger(Role.DECODE, tombstone_s=30.0, quarantine_s=QUARANTINE_S,
                                 clock=lambda: self.now)
         self.d_free, self.p_free = set(range(12)), set(range(12))
         self.tids: list[str] = []
@@ -447,7 +442,6 @@ class PushPair(RuleBasedStateMachine):
         forged = data.draw(st.sampled_from(choices))
         self.p.on_notification(forged, EVIL)
         self.d.on_notification(forged, EVIL)
-        self.d.on_notification(Commit(tid), P_ID)
         assert self.d.records() == before_d
         assert [r for r in self.p.records() if r.peer_engine_id != EVIL] == \
             [r for r in before_p if r.peer_engine_id != EVIL]
@@ -506,10 +500,22 @@ PushPair.TestCase.settings = settings(max_examples=600, stateful_step_count=60, 
 TestPushPair = PushPair.TestCase
 
 
-@pytest.mark.parametrize("side", list(Side))
-def test_every_message_from_unknown_peer_on_empty_ledger(side: Side) -> None:
+@pytest.mark.parametrize("side", [Role.PREFILL, Role.DECODE])
+def test_every_message_from_unknown_peer_on_empty_ledger(side: Role) -> None:
     led = TransferLedger(side)
     tid = new_transfer_id()
     for msg in (Done(tid), ReadDone(tid), LeaseRenew(tid, 1e10), Commit(tid)):
         assert led.on_notification(msg, EVIL) is None
     assert len(led) == 0
+
+
+def test_commit_completes_a_registered_transfer_on_d_like_done() -> None:
+    """Layer-wise push: P's Commit says every layer landed; D applies it as Done, never as unexpected."""
+    led, tid = d_ledger(), new_transfer_id()
+    led.register(tid, "r", [1, 2], T0 + 30, peer_engine_id=P_ID)
+    rec = led.on_notification(Commit(tid, 5), P_ID)
+    assert rec is not None and rec.state is TransferState.DONE and rec.first_token_id == 5
+    assert led.on_notification(Commit(tid, 5), P_ID) is None
+    c = led.counters
+    assert (c.ignored_unexpected, c.duplicates) == (0, 1)
+    assert p_ledger().on_notification(Commit(tid), P_ID) is None  # P never takes one

@@ -13,14 +13,9 @@ import pytest
 import torch
 
 from kvpush.errors import HandshakeError, TransferError
-from kvpush.transfer.nixl_agent import (
-    KVGeometry,
-    NixlTransferAgent,
-    PeerDisconnectedError,
-    Transfer,
-    TransferState,
-    count_descriptors,
-)
+from kvpush.transfer.descriptors import KVGeometry, count_descriptors
+from kvpush.transfer.kv_agent import PeerDisconnectedError, Transfer, XferStatus
+from kvpush.transfer.nixl_agent import NixlTransferAgent
 
 # kv[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
 SHAPE = (16, 3, 2, 4, 2, 8)  # float32: layer slice 512 B, block 1536 B
@@ -107,9 +102,9 @@ class Pair:
         for agent in self.agents():
             self.notifs[agent.name].extend(agent.get_notifs())
 
-    def finish(self, owner: NixlTransferAgent, transfer: Transfer) -> TransferState:
+    def finish(self, owner: NixlTransferAgent, transfer: Transfer) -> XferStatus:
         deadline = time.monotonic() + TIMEOUT_S
-        while owner.poll(transfer) is TransferState.POSTED:
+        while owner.poll(transfer) is XferStatus.POSTED:
             assert time.monotonic() < deadline, "transfer did not complete"
             self.pump()
         return transfer.state
@@ -163,7 +158,7 @@ def untouched(kv: torch.Tensor, written: list[int]) -> bool:
 def test_write_blocks(pair: Pair, src_ids: list[int], dst_ids: list[int], runs: int) -> None:
     t = pair.a.write("test-b", src_ids, dst_ids, b"DONE:w1")
     assert (t.num_descs, t.num_bytes, t.op) == (runs, len(src_ids) * 1536, "WRITE")
-    assert pair.finish(pair.a, t) is TransferState.DONE
+    assert pair.finish(pair.a, t) is XferStatus.DONE
     assert pair.telemetry_descs(pair.a, t) == runs  # nixl merged exactly the runs we counted
     assert pair.wait_notif(pair.b, b"DONE:w1") == "test-a"
     assert blocks_equal(pair.kv_b, dst_ids, pair.kv_a, src_ids)
@@ -179,7 +174,7 @@ def test_read_blocks_notifies_the_owner(pair: Pair) -> None:
     # b pulls a's blocks 5, 6 and 12 into its 0, 1 and 2: runs (5,6)->(0,1) and 12->2
     t = pair.b.read("test-a", [0, 1, 2], [5, 6, 12], b"DONE:r1")
     assert t.num_descs == 2
-    assert pair.finish(pair.b, t) is TransferState.DONE
+    assert pair.finish(pair.b, t) is XferStatus.DONE
     assert pair.telemetry_descs(pair.b, t) == 2
     assert pair.wait_notif(pair.a, b"DONE:r1") == "test-b"
     assert blocks_equal(pair.kv_b, [0, 1, 2], pair.kv_a, [5, 6, 12])
@@ -193,7 +188,7 @@ def test_write_layers_touches_only_chosen_layers(pair: Pair) -> None:
     # slices b*3+l: local 3,5,6,8 and remote 9,11,12,14: layer 2 of a block touches layer 0
     # of the next one on both sides, so 5,6 -> 11,12 merge: 3 descriptors
     assert t.num_descs == 3 and t.num_bytes == 4 * 512
-    assert pair.finish(pair.a, t) is TransferState.DONE
+    assert pair.finish(pair.a, t) is XferStatus.DONE
     assert pair.telemetry_descs(pair.a, t) == 3
     pair.wait_notif(pair.b, b"L")
     for layer in (0, 2):
@@ -204,12 +199,12 @@ def test_write_layers_touches_only_chosen_layers(pair: Pair) -> None:
 
     # all layers of consecutive blocks are one region; consecutive layers of one block merge
     t = pair.a.write_layers("test-b", [5, 6, 7], [10, 11, 12], layers=[0, 1, 2])
-    assert t.num_descs == 1 and pair.finish(pair.a, t) is TransferState.DONE
+    assert t.num_descs == 1 and pair.finish(pair.a, t) is XferStatus.DONE
     assert pair.telemetry_descs(pair.a, t) == 1
     assert blocks_equal(pair.kv_b, [10, 11, 12], pair.kv_a, [5, 6, 7])
     pair.a.release(t)
     t = pair.a.write_layers("test-b", [13, 14], [13, 14], layers=[1, 2])  # l1,l2 of each block
-    assert t.num_descs == 2 and pair.finish(pair.a, t) is TransferState.DONE
+    assert t.num_descs == 2 and pair.finish(pair.a, t) is XferStatus.DONE
     assert pair.telemetry_descs(pair.a, t) == 2
     assert torch.equal(pair.kv_b[[13, 14], 1:], pair.kv_a[[13, 14], 1:])
     assert bool((pair.kv_b[[13, 14], 0] == 0).all())
@@ -219,7 +214,7 @@ def test_write_layers_touches_only_chosen_layers(pair: Pair) -> None:
 @pytest.mark.integration
 def test_empty_transfer_sends_only_the_notification(pair: Pair) -> None:
     t = pair.a.write("test-b", [], [], b"DONE:empty")
-    assert (t.state, t.num_descs, t.num_bytes) == (TransferState.DONE, 0, 0)
+    assert (t.state, t.num_descs, t.num_bytes) == (XferStatus.DONE, 0, 0)
     assert pair.wait_notif(pair.b, b"DONE:empty") == "test-a"
     pair.a.send_notif("test-b", b"hello")
     assert pair.wait_notif(pair.b, b"hello") == "test-a"
@@ -290,7 +285,7 @@ def test_register_raw_pointer_and_remove_peer(pair: Pair) -> None:
         raw.add_peer(pair.a.metadata(), pair.a.geometry)  # type: ignore[arg-type]
         t = pair.a.write(name, [4], [0], b"raw")
         deadline = time.monotonic() + TIMEOUT_S
-        while pair.a.poll(t) is TransferState.POSTED or not any(m == b"raw" for _, m in raw.get_notifs()):
+        while pair.a.poll(t) is XferStatus.POSTED or not any(m == b"raw" for _, m in raw.get_notifs()):
             assert time.monotonic() < deadline
         assert torch.equal(kv[0], pair.kv_a[4])
         pair.a.release(t)
@@ -358,7 +353,7 @@ def test_two_processes_write_then_peer_killed() -> None:
         assert untouched(kv, [4, 5, 6, 12])
 
         t = agent.write(peer, [4], [15], b"back")  # the other direction works too
-        assert agent.wait(t, TIMEOUT_S) is TransferState.DONE
+        assert agent.wait(t, TIMEOUT_S) is XferStatus.DONE
         agent.release(t)
 
         os.kill(child.pid, signal.SIGKILL)  # type: ignore[arg-type]
@@ -371,7 +366,7 @@ def test_two_processes_write_then_peer_killed() -> None:
         except PeerDisconnectedError as exc:
             assert exc.peer == "test-child" and "test-child" in str(exc)
         else:
-            assert agent.wait(t, TIMEOUT_S) is TransferState.FAILED, "write to a killed peer succeeded"
+            assert agent.wait(t, TIMEOUT_S) is XferStatus.FAILED, "write to a killed peer succeeded"
         assert not agent.is_connected(peer)
         with pytest.raises(TransferError, match="disconnected"):
             agent.write(peer, [0], [0])

@@ -9,22 +9,19 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvpush import kv_params as kp
 from kvpush.config import FirstToken, KVMode, Role
-from kvpush.errors import HandshakeError, TransferError
+from kvpush.errors import HandshakeError, ProtocolError, TransferError
+from kvpush.kv_params import PROTOCOL_VERSION, DecodeLegParams, PrefillLegParams, PrefillResult
 from kvpush.transfer import handshake as hs
 from kvpush.transfer import protocol as pr
 from kvpush.transfer.protocol import (
     MAX_MESSAGE_BYTES,
-    PROTOCOL_VERSION,
     Abort,
     Commit,
-    DecodeLegParams,
     Done,
     Fail,
     LeaseRenew,
-    PrefillLegParams,
-    PrefillResult,
-    ProtocolError,
     PushReg,
     ReadDone,
     Release,
@@ -196,11 +193,11 @@ def _result(mode: KVMode = KVMode.PULL) -> PrefillResult:
                     prefill_kv_host="h", prefill_kv_port=1),
 ], ids=lambda p: f"{type(p).__name__}-{p.mode.value}")
 def test_params_round_trip_through_json(params: pr.LegParams) -> None:
-    as_json = msgspec.json.encode(pr.params_to_dict(params))
+    as_json = msgspec.json.encode(kp.params_to_dict(params))
     data = msgspec.json.decode(as_json)
     assert data["type"] == type(params).__name__
     assert data["protocol_version"] == PROTOCOL_VERSION
-    assert pr.params_from_dict(data, type(params)) == params
+    assert kp.params_from_dict(data, type(params)) == params
 
 
 def test_to_decode_leg_carries_pull_fields() -> None:
@@ -210,10 +207,10 @@ def test_to_decode_leg_carries_pull_fields() -> None:
 
 
 def test_params_version_mismatch_names_both() -> None:
-    data = pr.params_to_dict(_result())
+    data = kp.params_to_dict(_result())
     data["protocol_version"] = 99
     with pytest.raises(ProtocolError, match=rf"99.*{PROTOCOL_VERSION}"):
-        pr.params_from_dict(data, PrefillResult)
+        kp.params_from_dict(data, PrefillResult)
 
 
 @pytest.mark.parametrize("change", [
@@ -221,16 +218,16 @@ def test_params_version_mismatch_names_both() -> None:
     {"transfer_id": "a b"}, {"mode": "sideways"}, {"type": "DecodeLegParams"}, {"block_ids": "1,2"},
 ])
 def test_invalid_params_are_protocol_errors(change: dict[str, object]) -> None:
-    data = pr.params_to_dict(_result())
+    data = kp.params_to_dict(_result())
     data.update(change)
     with pytest.raises(ProtocolError):
-        pr.params_from_dict(data, PrefillResult)
+        kp.params_from_dict(data, PrefillResult)
 
 
 @pytest.mark.parametrize("data", [None, [], "x", {"type": "PrefillLegParams"}])
 def test_params_garbage(data: object) -> None:
     with pytest.raises(ProtocolError):
-        pr.params_from_dict(data, PrefillLegParams)
+        kp.params_from_dict(data, PrefillLegParams)
 
 
 def test_push_prefill_leg_may_leave_the_decode_engine_open() -> None:

@@ -4,15 +4,22 @@ own leg parameters and back, and the vLLM-named metrics. No servers: see test_vl
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
 
+from kvpush import kv_params as kp
 from kvpush.errors import InvalidRequestError
 from kvpush.server import vllm_compat as V
 from kvpush.server.generation import EngineRequestError
 from kvpush.server.messages import EngineStats
 from kvpush.server.metrics import ServerMetrics
-from kvpush.transfer import protocol as pr
+
+
+def _typed(leg: object, cls: type) -> Any:
+    """translate_request's answer, checked to be of the leg type the test expects."""
+    assert isinstance(leg, cls), leg
+    return leg
 
 P_LEG = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
          "remote_block_ids": None, "remote_host": None, "remote_port": None}
@@ -39,36 +46,36 @@ def bad(kv: dict, field: str | None, **kw) -> str:
 
 
 def test_shapes_are_told_apart():
-    own = pr.params_to_dict(pr.PrefillLegParams(transfer_id="t1", mode=pr.KVMode.PULL))
+    own = kp.params_to_dict(kp.PrefillLegParams(transfer_id="t1", mode=kp.KVMode.PULL))
     assert not V.is_vllm_shaped(own) and not V.is_vllm_shaped(None) and not V.is_vllm_shaped({"x": 1})
     assert V.is_vllm_shaped(P_LEG) and V.is_vllm_shaped(d_leg())
 
 
 def test_prefill_leg_becomes_a_pull_prefill_leg():
-    leg = pr.params_from_dict(translate(P_LEG, role="prefill"), pr.PrefillLegParams)
-    assert leg.mode is pr.KVMode.PULL and leg.do_remote_decode
+    leg = _typed(translate(P_LEG, role="prefill"), kp.PrefillLegParams)
+    assert leg.mode is kp.KVMode.PULL and leg.do_remote_decode
     # every leg gets a fresh transfer id
-    assert pr.params_from_dict(translate(P_LEG, role="prefill"), pr.PrefillLegParams).transfer_id != leg.transfer_id
+    assert _typed(translate(P_LEG, role="prefill"), kp.PrefillLegParams).transfer_id != leg.transfer_id
 
 
 def test_decode_leg_maps_every_field():
-    leg = pr.params_from_dict(translate(d_leg()), pr.DecodeLegParams)
+    leg = _typed(translate(d_leg()), kp.DecodeLegParams)
     assert (leg.transfer_id, leg.prefill_engine_id, leg.prefill_kv_host, leg.prefill_kv_port) == \
         ("9f2c", "prefill-0a1b2c3d4e5f", "10.0.0.1", 7100)
-    assert leg.block_ids == [3, 4, 5] and leg.num_tokens == 20 and leg.mode is pr.KVMode.PULL
+    assert leg.block_ids == [3, 4, 5] and leg.num_tokens == 20 and leg.mode is kp.KVMode.PULL
     # vLLM versions with a hybrid KV cache send one list per KV cache group
-    assert pr.params_from_dict(translate(d_leg(remote_block_ids=[[3, 4]])), pr.DecodeLegParams).block_ids == [3, 4]
+    assert _typed(translate(d_leg(remote_block_ids=[[3, 4]])), kp.DecodeLegParams).block_ids == [3, 4]
 
 
 def test_prefill_result_round_trips_through_the_router():
-    result = pr.PrefillResult(transfer_id="9f2c", mode=pr.KVMode.PULL, prefill_engine_id="prefill-0a1b2c3d4e5f",
+    result = kp.PrefillResult(transfer_id="9f2c", mode=kp.KVMode.PULL, prefill_engine_id="prefill-0a1b2c3d4e5f",
                               prefill_kv_host="10.0.0.1", prefill_kv_port=7100, num_tokens=20, block_ids=[7, 8],
                               lease_expiry=time.time() + 30, first_token_id=5)
-    out = V.vllm_response({"choices": [{"text": "x", "kv_transfer_params": pr.params_to_dict(result)}]}, "prefill")
+    out = V.vllm_response({"choices": [{"text": "x", "kv_transfer_params": result}]}, "prefill")
     kv = out["kv_transfer_params"]
     assert "kv_transfer_params" not in out["choices"][0]
     assert kv["do_remote_prefill"] is True and kv["do_remote_decode"] is False and kv["remote_block_ids"] == [7, 8]
-    leg = pr.params_from_dict(translate(kv), pr.DecodeLegParams)  # what D gets when a router forwards it verbatim
+    leg = _typed(translate(kv), kp.DecodeLegParams)  # what D gets when a router forwards it verbatim
     assert (leg.transfer_id, leg.block_ids, leg.lease_expiry) == ("9f2c", [7, 8], result.lease_expiry)
     assert V.vllm_response({"choices": [{"text": "y"}]}, "decode")["kv_transfer_params"] is None  # D's answer
     with pytest.raises(EngineRequestError, match="without KV parameters") as e:  # P's leg without them
@@ -108,16 +115,16 @@ def test_legs_sent_to_the_wrong_place():
 
 
 def test_push_legs_need_no_block_ids_and_keep_the_routers_transfer_id():
-    p = pr.params_from_dict(translate({**P_LEG, "transfer_id": "xfer-1f2e"}, role="prefill", mode="push"),
-                            pr.PrefillLegParams)
-    assert (p.transfer_id, p.mode, p.decode_engine_id) == ("xfer-1f2e", pr.KVMode.PUSH, None)
+    p = _typed(translate({**P_LEG, "transfer_id": "xfer-1f2e"}, role="prefill", mode="push"),
+                            kp.PrefillLegParams)
+    assert (p.transfer_id, p.mode, p.decode_engine_id) == ("xfer-1f2e", kp.KVMode.PUSH, None)
     bad({**P_LEG, "transfer_id": "bad id!"}, "transfer_id", role="prefill", mode="push")
-    d = pr.params_from_dict(translate(d_leg(remote_block_ids=..., remote_num_tokens=..., kvpush_lease_expiry=...),
-                                      mode="push-layerwise"), pr.DecodeLegParams)
-    assert (d.mode, d.block_ids, d.prefill_kv_port) == (pr.KVMode.PUSH_LAYERWISE, None, 7100)
+    d = _typed(translate(d_leg(remote_block_ids=..., remote_num_tokens=..., kvpush_lease_expiry=...),
+                                      mode="push-layerwise"), kp.DecodeLegParams)
+    assert (d.mode, d.block_ids, d.prefill_kv_port) == (kp.KVMode.PUSH_LAYERWISE, None, 7100)
     mooncake = {"do_remote_prefill": True, "do_remote_decode": False, "transfer_id": "xfer-9",
                 "remote_engine_id": "prefill-0a1b2c3d4e5f", "remote_host": "10.0.0.1", "remote_port": 7100}
-    assert pr.params_from_dict(translate(mooncake, mode="push"), pr.DecodeLegParams).transfer_id == "xfer-9"
+    assert _typed(translate(mooncake, mode="push"), kp.DecodeLegParams).transfer_id == "xfer-9"
     assert "missing" in bad({**mooncake, "remote_host": None}, "remote_host", mode="push")
 
 

@@ -13,7 +13,6 @@ import json
 import os
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import msgspec
 import torch
@@ -21,16 +20,15 @@ import torch
 from kvpush.config import EngineConfig
 from kvpush.device import resolve_device
 from kvpush.engine.block_manager import BlockManager
+from kvpush.engine.kv_connector import EngineHooks, KVConnector
 from kvpush.engine.model_runner import ModelRunner
 from kvpush.engine.request import Request, RequestStatus, TokenLogprob
 from kvpush.engine.sampling_params import SamplingParams
 from kvpush.engine.scheduler import Scheduler
 from kvpush.errors import InvalidRequestError
 from kvpush.kv_cache import KVCache, KVLayout
+from kvpush.kv_params import PrefillResult, RequestLegParams
 from kvpush.models.loader import load_model
-
-if TYPE_CHECKING:
-    from kvpush.transfer.base import KVConnector
 
 
 @dataclass
@@ -44,7 +42,7 @@ class EngineOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None
-    kv_transfer_params: dict | None = None
+    kv_transfer_params: PrefillResult | None = None  # P's answer for the proxy
     trace: dict[str, float] | None = None
 
 
@@ -73,7 +71,7 @@ class LLMEngine:
         """Install the KV connector of a prefill or decode role (before any request)."""
         self.connector = connector
         self.scheduler.hold = connector.on_finished
-        connector.attach(self)
+        connector.attach(EngineHooks(self.scheduler, self.block_manager, self.runner, self.cache, self.on_token))
 
     def _layout(self) -> KVLayout:
         cache_cfg, arch = self.config.cache, self.arch
@@ -102,7 +100,7 @@ class LLMEngine:
         return request
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    kv_transfer_params: dict | None = None) -> Request:
+                    kv_transfer_params: RequestLegParams | None = None) -> Request:
         """Queue a request. Raises InvalidRequestError (nothing queued) if it can never run here."""
         request = self.make_request(request_id, prompt_token_ids, params)
         request.trace["arrived"] = time.time()
@@ -136,6 +134,7 @@ class LLMEngine:
         out = self.scheduler.schedule(self.admission_hook())
         outputs, self.finished = self.finished, []
         outputs += [self._last_output(r) for r in polled]
+        outputs += [self._output(r, []) for r in out.rejected]
         if out.empty:
             return outputs
         if self.connector is not None:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvpush.engine.sampling_params import SamplingParams
+from kvpush.kv_params import PrefillResult
 
 
 class RequestStatus(enum.Enum):
@@ -77,7 +78,7 @@ class Request:
     # Opaque per-request state of the KV connector (decode/prefill roles), owned by the connector.
     kv_state: object | None = None
     # What the connector returns to the caller when the request ends (P: its PrefillResult).
-    kv_result: dict | None = None
+    kv_result: PrefillResult | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

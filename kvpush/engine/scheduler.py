@@ -14,16 +14,27 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from kvpush.config import SchedulerConfig
 from kvpush.engine.block_manager import BlockManager
 from kvpush.engine.request import Request, RequestStatus
 
 
+class Admission(StrEnum):
+    """What the admission hook decides for the head of the waiting queue."""
+
+    RUN = "run"  # schedule it now (if budget and blocks allow)
+    WAIT = "wait"  # not yet: it stays at the head, nothing behind it is admitted this step
+    PARK = "park"  # its blocks are allocated and its KV comes from a peer: WAITING_FOR_REMOTE_KV
+    REJECT = "reject"  # it cannot run (request.error says why): finished with an error
+
+
 @dataclass
 class SchedulerOutput:
     scheduled: list[tuple[Request, int]] = field(default_factory=list)  # (request, num_new_tokens)
     preempted: list[Request] = field(default_factory=list)
+    rejected: list[Request] = field(default_factory=list)  # finished by the admission hook's REJECT
 
     @property
     def num_tokens(self) -> int:
@@ -34,8 +45,8 @@ class SchedulerOutput:
         return not self.scheduled
 
 
-# Called for a waiting request before it is admitted; returns False to keep it waiting.
-AdmissionHook = Callable[[Request], bool]
+# Called for the head of the waiting queue before it is admitted.
+AdmissionHook = Callable[[Request], Admission]
 # Called when a request finishes, before its blocks are freed; True if the caller took the blocks.
 HoldHook = Callable[[Request], bool]
 
@@ -113,12 +124,16 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int, admit: AdmissionHook | None) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            if admit is not None and not admit(request):
+            decision = admit(request) if admit is not None else Admission.RUN
+            if decision is Admission.WAIT:
                 break
-            if not self.waiting or self.waiting[0] is not request:
-                continue  # the admission hook finished it (e.g. its KV deadline had passed)
-            if request.status is RequestStatus.WAITING_FOR_REMOTE_KV:
-                self.waiting.popleft()  # the admission hook parked it
+            if decision is not Admission.RUN:
+                self.waiting.popleft()
+                if decision is Admission.PARK:
+                    self.park_remote(request)
+                else:
+                    self.finish(request, RequestStatus.FINISHED_ERROR)
+                    out.rejected.append(request)
                 continue
             cached = self._cached_prefix(request)
             num_new = request.num_tokens - request.num_computed_tokens - len(cached) * self.block_manager.block_size

@@ -21,6 +21,7 @@ from kvpush.config import ServerConfig
 from kvpush.engine.engine import check_prompt
 from kvpush.engine.sampling_params import SamplingParams
 from kvpush.errors import InvalidRequestError
+from kvpush.kv_params import RequestLegParams
 from kvpush.server import responses as R
 from kvpush.server import vllm_compat
 from kvpush.server.engine_client import EngineClient
@@ -144,15 +145,16 @@ class OpenAIServer:
     def _role(self) -> str:
         return self.engine.info.role if self.engine.info else "colocated"
 
-    async def _vllm_params(self, body: CompletionRequest | ChatCompletionRequest, num_prompts: int) -> bool:
-        """vLLM-shaped kv_transfer_params (routers built for vLLM) become kvpush's own; True if they were."""
+    async def _leg_params(self, body: CompletionRequest | ChatCompletionRequest,
+                          num_prompts: int) -> tuple[RequestLegParams | None, bool]:
+        """The request's leg parameters, typed, and whether they came in vLLM's shape (routers built for
+        vLLM; translated to kvpush's own, and the response goes back in vLLM's shape)."""
         if not vllm_compat.is_vllm_shaped(body.kv_transfer_params):
-            return False
+            return body.leg_params(), False
         if (info := self.engine.info) is None:
             raise EngineRequestError("engine is not running", 503)
         kv = await vllm_compat.resolve_bootstrap(body.kv_transfer_params)
-        body.kv_transfer_params = vllm_compat.translate_request(kv, info.role, info.kv_mode, num_prompts, body.stream)
-        return True
+        return vllm_compat.translate_request(kv, info.role, info.kv_mode, num_prompts, body.stream), True
 
     def _new_id(self, prefix: str) -> str:
         return f"{prefix}-{uuid.uuid4().hex[:16]}{next(self._ids)}"
@@ -162,7 +164,7 @@ class OpenAIServer:
         body = parse_body(await request.read(), CompletionRequest)
         self._check_model(body.model)
         prompts = body.prompts()
-        vllm = await self._vllm_params(body, len(prompts))
+        kv, vllm = await self._leg_params(body, len(prompts))
         params = body.sampling_params(16, body.logprobs)
         ids = [p if isinstance(p, list) else self.tokenizer.encode(p) for p in prompts]
         for p in ids:
@@ -171,22 +173,23 @@ class OpenAIServer:
         rid = self._new_id("cmpl")
         states = [GenState(f"{rid}-{i}", p) for i, p in enumerate(ids)]
         for s in states:
-            self.generator.submit(s, params, body.kv_transfer_params)
+            self.generator.submit(s, params, kv)
         try:
-            return await self._completions(request, body, rid, states, params, vllm)
+            return await self._completions(request, body, rid, states, params, kv, vllm)
         finally:
             self.generator.release(states)
 
     async def _completions(self, request: web.Request, body: CompletionRequest, rid: str, states: list[GenState],
-                           params: SamplingParams, vllm: bool = False) -> web.StreamResponse:
+                           params: SamplingParams, kv: RequestLegParams | None,
+                           vllm: bool) -> web.StreamResponse:
         want_lp = body.logprobs is not None
         if not body.stream:
-            await asyncio.gather(*(self.generator.run(s, params, body.kv_transfer_params) for s in states))
+            await asyncio.gather(*(self.generator.run(s, params, kv) for s in states))
             out = R.completion(rid, self.model_name, states, self.tokenizer, want_lp)
             return R.json_response(vllm_compat.vllm_response(out, self._role) if vllm else out)
         stream = LazyStream(request)
         try:
-            async with aclosing(self._merge(states, params, body.kv_transfer_params)) as events:
+            async with aclosing(self._merge(states, params, kv)) as events:
                 async for i, ev in events:
                     await stream.write(R.completion_chunk(rid, self.model_name, i, ev, states[i], self.tokenizer,
                                                           want_lp))
@@ -197,7 +200,7 @@ class OpenAIServer:
         return await self._end_stream(stream, rid, "text_completion", states, body.include_usage)
 
     async def _merge(self, states: list[GenState], params: SamplingParams,
-                     kv: dict | None) -> AsyncGenerator[tuple[int, GenEvent], None]:
+                     kv: RequestLegParams | None) -> AsyncGenerator[tuple[int, GenEvent], None]:
         if len(states) == 1:
             async with aclosing(self.generator.stream(states[0], params, kv)) as events:
                 async for ev in events:
@@ -235,7 +238,7 @@ class OpenAIServer:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = parse_body(await request.read(), ChatCompletionRequest)
         self._check_model(body.model)
-        vllm = await self._vllm_params(body, 1)
+        kv, vllm = await self._leg_params(body, 1)
         text = self.tokenizer.apply_chat_template(body.message_dicts(), add_generation_prompt=body.add_generation_prompt)
         ids = self.tokenizer.encode(text)
         info = self.engine.info
@@ -246,22 +249,22 @@ class OpenAIServer:
         self._admit(1)
         rid = self._new_id("chatcmpl")
         state = GenState(rid, ids)
-        self.generator.submit(state, params, body.kv_transfer_params)
+        self.generator.submit(state, params, kv)
         try:
-            return await self._chat(request, body, rid, state, params, vllm)
+            return await self._chat(request, body, rid, state, params, kv, vllm)
         finally:
             self.generator.release([state])
 
     async def _chat(self, request: web.Request, body: ChatCompletionRequest, rid: str, state: GenState,
-                    params: SamplingParams, vllm: bool = False) -> web.StreamResponse:
+                    params: SamplingParams, kv: RequestLegParams | None, vllm: bool) -> web.StreamResponse:
         want_lp = body.logprobs
         if not body.stream:
-            await self.generator.run(state, params, body.kv_transfer_params)
+            await self.generator.run(state, params, kv)
             out = R.chat_completion(rid, self.model_name, state, self.tokenizer, want_lp)
             return R.json_response(vllm_compat.vllm_response(out, self._role) if vllm else out)
         stream = LazyStream(request, R.chat_chunk(rid, self.model_name, {"role": "assistant", "content": ""}))
         try:
-            async with aclosing(self.generator.stream(state, params, body.kv_transfer_params)) as events:
+            async with aclosing(self.generator.stream(state, params, kv)) as events:
                 async for ev in events:
                     lp = R.chat_logprobs(self.tokenizer, ev.logprobs) if want_lp else None
                     delta = {"content": ev.text} if ev.text or ev.finish_reason is None else {}

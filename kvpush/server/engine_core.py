@@ -15,11 +15,15 @@ import logging
 import os
 import time
 from multiprocessing.connection import Connection, wait
+from typing import TYPE_CHECKING
 
 from kvpush.config import EngineConfig, Role, TransferConfig
 from kvpush.engine.engine import EngineOutput, LLMEngine
 from kvpush.errors import InvalidRequestError, KVPushError
 from kvpush.server import messages as m
+
+if TYPE_CHECKING:  # imported when a role needs it (build_engine): colocated never loads nixl
+    from kvpush.transfer.runtime import RuntimeConnector
 
 log = logging.getLogger("kvpush.engine_core")
 IDLE_WAIT_S = 1.0
@@ -49,8 +53,10 @@ class Waker:
 
 
 class EngineCore:
-    def __init__(self, engine: LLMEngine, conn_in: Connection, conn_out: Connection, waker: Waker) -> None:
+    def __init__(self, engine: LLMEngine, conn_in: Connection, conn_out: Connection, waker: Waker,
+                 connector: RuntimeConnector | None = None) -> None:
         self.engine = engine
+        self.connector = connector
         self.conn_in = conn_in
         self.conn_out = conn_out
         self.waker = waker
@@ -129,7 +135,7 @@ class EngineCore:
             prefix_cache_queries=bm.num_queries,
             prefix_cache_hits=bm.num_hits,
             steps=self.engine.step_count,
-            transfer=self.engine.connector.stats() if self.engine.connector is not None else None,
+            transfer=self.connector.stats() if self.connector is not None else None,
         )
 
 
@@ -148,20 +154,22 @@ def to_delta(o: EngineOutput) -> m.RequestDelta:
     )
 
 
-def build_engine(config: EngineConfig, role: Role, transfer: TransferConfig, waker: Waker) -> LLMEngine:
+def build_engine(config: EngineConfig, role: Role, transfer: TransferConfig,
+                 waker: Waker) -> tuple[LLMEngine, RuntimeConnector | None]:
     """The engine of a role: colocated has no connector; prefill and decode get theirs."""
-    if role is Role.COLOCATED:
-        return LLMEngine(config)
     engine = LLMEngine(config)
-    from kvpush.transfer.decode import DecodeConnector
-    from kvpush.transfer.prefill import PrefillConnector
+    if role is Role.COLOCATED:
+        return engine, None
+    from kvpush.transfer.decode_connector import DecodeConnector
+    from kvpush.transfer.prefill_connector import PrefillConnector
     from kvpush.transfer.runtime import TransferRuntime
 
     runtime = TransferRuntime(role, transfer, engine.cache, config.model.model, str(engine.dtype), waker.wake)
-    connector = PrefillConnector(runtime, transfer) if role is Role.PREFILL else DecodeConnector(runtime, transfer)
+    connector: RuntimeConnector = (PrefillConnector(runtime, transfer) if role is Role.PREFILL
+                                   else DecodeConnector(runtime, transfer))
     engine.set_connector(connector)
     runtime.start()
-    return engine
+    return engine, connector
 
 
 def run_engine_core(config: EngineConfig, conn_in: Connection, conn_out: Connection,
@@ -170,17 +178,16 @@ def run_engine_core(config: EngineConfig, conn_in: Connection, conn_out: Connect
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     waker = Waker()
     try:
-        engine = build_engine(config, role, transfer or TransferConfig(), waker)
+        engine, connector = build_engine(config, role, transfer or TransferConfig(), waker)
     except (KVPushError, OSError) as e:
         conn_out.send_bytes(m.encode(m.CoreFailed(f"{type(e).__name__}: {e}")))
         return
-    connector = engine.connector
     ready = m.CoreReady(engine.max_model_len, engine.arch.vocab_size, engine.layout.num_blocks,
                         engine.layout.block_size, kv_address=connector.kv_address if connector else None,
                         engine_id=connector.engine_id if connector else "", role=role.value,
                         kv_mode=transfer.kv_mode.value if connector and transfer else None)
     conn_out.send_bytes(m.encode(ready))
-    core = EngineCore(engine, conn_in, conn_out, waker)
+    core = EngineCore(engine, conn_in, conn_out, waker, connector)
     try:
         core.run()
     except (BrokenPipeError, EOFError):

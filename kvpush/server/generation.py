@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from kvpush.engine.sampling_params import SamplingParams
 from kvpush.errors import KVPushError
+from kvpush.kv_params import PrefillResult, RequestLegParams
 from kvpush.server import messages as m
 from kvpush.server.engine_client import EngineClient
 from kvpush.server.metrics import ServerMetrics
@@ -48,7 +49,7 @@ class GenState:
     logprobs: list[m.LogprobEntry] = field(default_factory=list)
     finish_reason: str | None = None
     num_cached_tokens: int = 0
-    kv_transfer_params: dict | None = None
+    kv_transfer_params: PrefillResult | None = None
     trace: dict[str, float] | None = None
     queue: asyncio.Queue | None = None  # set by submit(): the engine knows the request from then on
     submitted_at: float = 0.0
@@ -60,7 +61,7 @@ class Generator:
         self.tokenizer = tokenizer
         self.metrics = metrics
 
-    def submit(self, state: GenState, params: SamplingParams, kv_transfer_params: dict | None = None) -> None:
+    def submit(self, state: GenState, params: SamplingParams, kv_transfer_params: RequestLegParams | None = None) -> None:
         """Hand the request to the engine now (synchronously, so admission control counts it at once)."""
         if state.queue is None:
             state.submitted_at = time.monotonic()
@@ -75,7 +76,7 @@ class Generator:
                 state.finish_reason = "abort"
 
     async def stream(self, state: GenState, params: SamplingParams,
-                     kv_transfer_params: dict | None = None) -> AsyncGenerator[GenEvent, None]:
+                     kv_transfer_params: RequestLegParams | None = None) -> AsyncGenerator[GenEvent, None]:
         """Yield text events until the request finishes. Raises EngineRequestError on failure."""
         self.submit(state, params, kv_transfer_params)
         queue = state.queue
@@ -120,7 +121,7 @@ class Generator:
         ttft = None if first is None else first - start
         self.metrics.observe_request(ttft, now - start, len(state.token_ids), state.finish_reason or "abort")
 
-    async def run(self, state: GenState, params: SamplingParams, kv_transfer_params: dict | None = None) -> GenState:
+    async def run(self, state: GenState, params: SamplingParams, kv_transfer_params: RequestLegParams | None = None) -> GenState:
         async with aclosing(self.stream(state, params, kv_transfer_params)) as events:
             async for _ in events:
                 pass

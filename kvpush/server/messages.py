@@ -10,6 +10,7 @@ from __future__ import annotations
 import msgspec
 
 from kvpush.engine.sampling_params import SamplingParams
+from kvpush.kv_params import PrefillResult, RequestLegParams
 from kvpush.transfer.stats import TransferStats
 
 
@@ -23,7 +24,7 @@ class AddRequest(msgspec.Struct, tag=True):
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    kv_transfer_params: dict | None = None  # validated by the KV connector of the role
+    kv_transfer_params: RequestLegParams | None = None  # checked against the role by its KV connector
 
 
 class AbortRequest(msgspec.Struct, tag=True):
@@ -43,7 +44,7 @@ class RequestDelta(msgspec.Struct):
     num_cached_tokens: int = 0
     error: str | None = None
     error_status: int = 500  # HTTP status the API answers with when finish_reason is "error"
-    kv_transfer_params: dict | None = None
+    kv_transfer_params: PrefillResult | None = None  # P's answer for the proxy
     trace: dict[str, float] | None = None
 
 

@@ -10,7 +10,8 @@ from typing import Any
 import msgspec
 
 from kvpush.engine.sampling_params import SamplingParams
-from kvpush.errors import InvalidRequestError
+from kvpush.errors import InvalidRequestError, ProtocolError
+from kvpush.kv_params import RequestLegParams
 
 
 class StreamOptions(msgspec.Struct):
@@ -34,7 +35,19 @@ class _Common(msgspec.Struct, kw_only=True):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     user: str | None = None
-    kv_transfer_params: dict[str, Any] | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # kvpush's (typed by leg_params) or vLLM's shape
+
+    def leg_params(self) -> RequestLegParams | None:
+        """kvpush's own leg parameters (a ``type``-tagged object, set by kvpush's proxy), typed; a bad
+        one is a 400 naming ``kv_transfer_params``. vLLM-shaped ones are translated by vllm_compat."""
+        if self.kv_transfer_params is None:
+            return None
+        try:
+            return msgspec.convert(self.kv_transfer_params, RequestLegParams)  # type: ignore[arg-type]
+        except ProtocolError as e:  # a leg parameter's own check
+            raise InvalidRequestError(str(e), param="kv_transfer_params") from e
+        except msgspec.ValidationError as e:
+            raise InvalidRequestError(f"invalid kv_transfer_params: {e}", param="kv_transfer_params") from e
 
     def sampling_params(self, default_max_tokens: int, logprobs: int | None) -> SamplingParams:
         _require(self.n == 1, "only n=1 is supported", "n")

@@ -25,11 +25,11 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
+from kvpush import kv_params as kp
 from kvpush.config import FirstToken, KVMode, ProxyConfig
 from kvpush.server import responses as R
 from kvpush.server.messages import KVInfo
 from kvpush.server.proxy_metrics import ProxyMetrics
-from kvpush.transfer import protocol as pr
 
 log = logging.getLogger("kvpush.proxy")
 ROUTES = ("/v1/completions", "/v1/chat/completions")
@@ -193,7 +193,7 @@ class Proxy:
         tried: set[str] = set()
         while True:
             d = Dispatch(self.pick(self.prefills, "prefill", exclude=tried), self.pick(self.decodes, "decode"),
-                         pr.new_transfer_id())
+                         kp.new_transfer_id())
             try:
                 return await self._dispatch(request, body, d)
             except PrefillFailed as e:
@@ -219,7 +219,7 @@ class Proxy:
 
     # ---- the two flows -------------------------------------------------------------------
     async def _push(self, request: web.Request, body: dict, d: Dispatch) -> web.StreamResponse:
-        p_params = pr.PrefillLegParams(transfer_id=d.transfer_id, mode=self.config.kv_mode,
+        p_params = kp.PrefillLegParams(transfer_id=d.transfer_id, mode=self.config.kv_mode,
                                        decode_engine_id=d.decode.engine_id)
         d_params = self._decode_params(d, None)
         p_task = asyncio.create_task(self._prefill_leg(request.path, body, p_params, d))
@@ -239,23 +239,23 @@ class Proxy:
         return await self._relay(request, d_resp, d)
 
     async def _pull(self, request: web.Request, body: dict, d: Dispatch) -> web.StreamResponse:
-        p_params = pr.PrefillLegParams(transfer_id=d.transfer_id, mode=KVMode.PULL)
+        p_params = kp.PrefillLegParams(transfer_id=d.transfer_id, mode=KVMode.PULL)
         result = await self._prefill_leg(request.path, body, p_params, d)
         d_resp = await self._open_decode(request.path, body, self._decode_params(d, result), d)
         return await self._relay(request, d_resp, d)
 
-    def _decode_params(self, d: Dispatch, result: pr.PrefillResult | None) -> pr.DecodeLegParams:
+    def _decode_params(self, d: Dispatch, result: kp.PrefillResult | None) -> kp.DecodeLegParams:
         first: FirstToken = self.config.first_token
         if result is not None:
             return result.to_decode_leg(first)
         p = d.prefill
         assert p.kv_host is not None and p.kv_port is not None
-        return pr.DecodeLegParams(transfer_id=d.transfer_id, mode=self.config.kv_mode, prefill_engine_id=p.engine_id,
+        return kp.DecodeLegParams(transfer_id=d.transfer_id, mode=self.config.kv_mode, prefill_engine_id=p.engine_id,
                                   prefill_kv_host=p.kv_host, prefill_kv_port=p.kv_port, first_token=first)
 
-    async def _prefill_leg(self, path: str, body: dict, params: pr.PrefillLegParams, d: Dispatch) -> pr.PrefillResult:
+    async def _prefill_leg(self, path: str, body: dict, params: kp.PrefillLegParams, d: Dispatch) -> kp.PrefillResult:
         assert self.session is not None
-        leg = prefill_body(body, pr.params_to_dict(params))
+        leg = prefill_body(body, kp.params_to_dict(params))
         try:
             async with self.session.post(d.prefill.url + path, json=leg) as r:
                 data = await r.read()
@@ -272,14 +272,14 @@ class Proxy:
             choice = json.loads(data)["choices"][0]
             d.trace.update(_prefill_trace(choice.get("kvpush_trace")))
             kv = choice["kv_transfer_params"]
-            return pr.params_from_dict(kv, pr.PrefillResult)
-        except (KeyError, IndexError, TypeError, ValueError, pr.ProtocolError) as e:
+            return kp.params_from_dict(kv, kp.PrefillResult)
+        except (KeyError, IndexError, TypeError, ValueError, kp.ProtocolError) as e:
             raise LegError(502, json.dumps(R.error_body(502, f"prefill answered without KV params: {e}")).encode()) from e
 
-    async def _open_decode(self, path: str, body: dict, params: pr.DecodeLegParams,
+    async def _open_decode(self, path: str, body: dict, params: kp.DecodeLegParams,
                            d: Dispatch) -> aiohttp.ClientResponse:
         assert self.session is not None
-        leg = dict(body, kv_transfer_params=pr.params_to_dict(params))
+        leg = dict(body, kv_transfer_params=kp.params_to_dict(params))
         try:
             resp = await self.session.post(d.decode.url + path, json=leg)
         except aiohttp.ClientError as e:

@@ -32,11 +32,11 @@ from typing import Any, TypeGuard
 import aiohttp
 import msgspec
 
+from kvpush import kv_params as kp
 from kvpush.config import FirstToken, KVMode
-from kvpush.errors import InvalidRequestError
+from kvpush.errors import InvalidRequestError, ProtocolError
 from kvpush.server.generation import EngineRequestError
 from kvpush.server.messages import KVInfo
-from kvpush.transfer import protocol as pr
 
 FLAGS = ("do_remote_decode", "do_remote_prefill")
 PARAM = "kv_transfer_params"
@@ -45,11 +45,6 @@ PARAM = "kv_transfer_params"
 def is_vllm_shaped(kv: object) -> TypeGuard[dict]:
     """vLLM's NixlConnector shape: either flag present and no kvpush ``type`` tag."""
     return isinstance(kv, dict) and "type" not in kv and any(f in kv for f in FLAGS)
-
-
-def to_leg(params: pr.LegParams) -> dict[str, Any]:
-    """kvpush's leg parameters as the engine takes them (the one place to change if that becomes a struct)."""
-    return pr.params_to_dict(params)
 
 
 def _bad(field: str | None, message: str) -> InvalidRequestError:
@@ -83,7 +78,8 @@ def _block_ids(kv: dict) -> list[int]:
     return ids
 
 
-def translate_request(kv: dict, role: str, mode: str | None, num_prompts: int, stream: bool) -> dict | None:
+def translate_request(kv: dict, role: str, mode: str | None, num_prompts: int,
+                      stream: bool) -> kp.RequestLegParams | None:
     """kvpush's own leg parameters for a vLLM-shaped ``kv_transfer_params``; InvalidRequestError (400)
     naming the field for anything kvpush cannot honour. None: the request asks for no transfer."""
     decode_leg, prefill_leg = _flag(kv, "do_remote_decode"), _flag(kv, "do_remote_prefill")
@@ -105,22 +101,22 @@ def translate_request(kv: dict, role: str, mode: str | None, num_prompts: int, s
         if stream:
             raise InvalidRequestError("a prefill leg (do_remote_decode: true) must not stream", param="stream")
         tid = kv.get("transfer_id")  # vllm-router's mooncake mode names the transfer; NIXL routers do not
-        leg = _checked("transfer_id", lambda: pr.PrefillLegParams(transfer_id=pr.new_transfer_id() if tid is None
+        leg = _checked("transfer_id", lambda: kp.PrefillLegParams(transfer_id=kp.new_transfer_id() if tid is None
                                                                   else tid, mode=kv_mode))
-        return to_leg(leg)
+        return leg
     if role != "decode":
         raise _bad("do_remote_prefill", "true means a decode leg, but this is a prefill instance")
-    return to_leg(_decode_leg(kv, kv_mode))
+    return _decode_leg(kv, kv_mode)
 
 
 def _checked(field: str | None, make):
     try:
         return make()
-    except pr.ProtocolError as e:
+    except ProtocolError as e:
         raise _bad(field, str(e)) from e
 
 
-def _decode_leg(kv: dict, mode: KVMode) -> pr.DecodeLegParams:
+def _decode_leg(kv: dict, mode: KVMode) -> kp.DecodeLegParams:
     engine_id = _field(kv, "remote_engine_id", str, "the prefill engine id")
     host = _field(kv, "remote_host", str, "the prefill instance's KV host")
     port = _field(kv, "remote_port", int, "the prefill instance's KV port")
@@ -130,7 +126,7 @@ def _decode_leg(kv: dict, mode: KVMode) -> pr.DecodeLegParams:
     common = dict(transfer_id=transfer_id, mode=mode, prefill_engine_id=engine_id, prefill_kv_host=host,
                   prefill_kv_port=port, first_token=FirstToken.RECOMPUTE)
     if mode.is_push:  # P writes once D registers: D needs no block ids (P's, if sent, are ignored)
-        return _checked(None, lambda: pr.DecodeLegParams(**common))
+        return _checked(None, lambda: kp.DecodeLegParams(**common))
     blocks = _block_ids(kv)
     num_tokens = _field(kv, "remote_num_tokens", int, "the number of prompt tokens P computed")
     if kv.get("kvpush_lease_expiry") is None:
@@ -141,7 +137,7 @@ def _decode_leg(kv: dict, mode: KVMode) -> pr.DecodeLegParams:
     if not math.isfinite(lease) or lease <= now:
         raise _bad("kvpush_lease_expiry", f"stale: the prefill instance's hold on these blocks ended "
                                           f"{now - lease:.1f} s ago; send the request through its prefill leg again")
-    return _checked(None, lambda: pr.DecodeLegParams(**common, block_ids=blocks, num_tokens=num_tokens,
+    return _checked(None, lambda: kp.DecodeLegParams(**common, block_ids=blocks, num_tokens=num_tokens,
                                                      lease_expiry=float(lease)))
 
 
@@ -177,11 +173,10 @@ async def _fetch_kv_info(addr: str) -> KVInfo:
         raise EngineRequestError(f"cannot read the prefill instance's KV address from {addr}: {e}", 502) from e
 
 
-def prefill_result(kv: dict | None) -> dict | None:
-    """P's own PrefillResult (dict) in vLLM's shape, for the top level of P's response."""
-    if kv is None:
+def prefill_result(r: kp.PrefillResult | None) -> dict | None:
+    """P's own PrefillResult in vLLM's shape, for the top level of P's response."""
+    if r is None:
         return None
-    r = pr.params_from_dict(kv, pr.PrefillResult)
     return {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": r.prefill_engine_id,
             "remote_block_ids": list(r.block_ids), "remote_request_id": r.transfer_id,
             "remote_host": r.prefill_kv_host, "remote_port": r.prefill_kv_port, "tp_size": 1,

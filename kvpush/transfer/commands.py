@@ -1,8 +1,8 @@
-"""Messages between the engine thread and the transfer thread of one process (queues, not wires).
+"""Commands to the transfer thread of one process (a queue, not a wire).
 
-Engine -> transfer thread: Expect, Hold, Register, Read, SendNotif, Cancel (and AddPeer from the
-side-channel thread). Transfer thread -> engine: FreeBlocks, KVReady, KVFailed.
-Block ids are always this instance's own; remote ids travel inside the ledger and PushReg.
+From the engine thread: Hold, LayersDone (prefill side); Register, Read (decode side); SendNotif
+and Cancel (either). From the side-channel thread: AddPeer. The thread answers with events
+(events.py). Block ids are always this instance's own; remote ids travel inside the ledger and PushReg.
 """
 
 from __future__ import annotations
@@ -19,13 +19,6 @@ class PeerAddr:
     engine_id: str
     host: str
     port: int
-
-
-@dataclass(frozen=True)
-class Expect:
-    """P: a request with this transfer_id was admitted; its PushReg may come any time."""
-
-    transfer_id: str
 
 
 @dataclass(frozen=True)
@@ -69,7 +62,7 @@ class Read:
     transfer_id: str
     request_id: str
     peer: PeerAddr
-    local_ids: tuple[int, ...]
+    block_ids: tuple[int, ...]  # ours
     remote_ids: tuple[int, ...]
     num_tokens: int
     deadline: float
@@ -95,28 +88,10 @@ class Cancel:
 
 @dataclass(frozen=True)
 class AddPeer:
+    """A peer's verified handshake (side-channel thread): add it; `done` gets its agent name."""
+
     info: HandshakeInfo
     done: Future
 
 
-@dataclass(frozen=True)
-class FreeBlocks:
-    block_ids: list[int]
-
-
-@dataclass(frozen=True)
-class KVReady:
-    transfer_id: str
-    request_id: str
-    first_token_id: int | None
-    trace: tuple[tuple[str, float], ...] = ()  # P's timestamps carried by Done
-
-
-@dataclass(frozen=True)
-class KVFailed:
-    transfer_id: str
-    request_id: str
-    reason: str
-
-
-Event = FreeBlocks | KVReady | KVFailed
+Command = LayersDone | Hold | Register | Read | SendNotif | Cancel | AddPeer

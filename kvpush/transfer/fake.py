@@ -1,11 +1,8 @@
-"""An in-process stand-in for ``NixlTransferAgent``: unit tests of the transfer thread without nixl.
+"""An in-process ``KVAgent`` (kv_agent.py): unit tests of the transfer thread without nixl.
 
-``FakeFabric`` is the "network": a dict of agent name -> ``FakeAgent``. A ``FakeAgent`` has the
-public API of ``kvpush.transfer.nixl_agent.NixlTransferAgent`` that the transfer thread uses
-(``register_kv``, ``metadata``, ``add_peer``, ``peers``, ``is_connected``, ``remove_peer``, ``write``,
-``read``, ``write_layers``, ``read_layers``, ``poll``, ``wait``, ``release``, ``send_notif``,
-``get_notifs``, ``close``, ``geometry``, ``stats``), returns the real ``Transfer`` objects with real
-``TransferState`` values and raises the same exceptions:
+``FakeFabric`` is the "network": a dict of agent name -> ``FakeAgent``. A ``FakeAgent`` implements
+the ``KVAgent`` interface on the same ``AgentCore`` as ``NixlTransferAgent``, returns the same
+``Transfer`` objects with ``XferStatus`` values and raises the same exceptions:
 
 * ``ValueError`` for bad block / layer ids (out of range, unequal lengths), before anything moves;
 * ``TransferError`` for an unknown peer, use after ``close``, or an injected post failure;
@@ -44,7 +41,7 @@ initiates):
 
 Peers can be added the nixl way (``add_peer(other.metadata(), other.geometry)``, ``metadata`` is
 msgpack naming the agent), with ``connect`` (both directions, no handshake), and
-``handshake_info`` builds the ``HandshakeInfo`` a ``TransferWorker`` needs. This module never
+``handshake_info`` builds the ``HandshakeInfo`` a transfer thread needs. This module never
 imports nixl. One lock per fabric serializes every agent's calls.
 """
 
@@ -62,18 +59,9 @@ import torch
 
 from kvpush.config import Role
 from kvpush.errors import HandshakeError, TransferError
+from kvpush.transfer.descriptors import BlockIds, KVGeometry, XferPlan
 from kvpush.transfer.handshake import HandshakeInfo
-from kvpush.transfer.nixl_agent import (
-    MEMORY_TYPES,
-    AgentStats,
-    BlockIds,
-    KVGeometry,
-    PeerDisconnectedError,
-    Transfer,
-    TransferState,
-    _indices,
-    count_descriptors,
-)
+from kvpush.transfer.kv_agent import AgentCore, PeerDisconnectedError, PeerEntry, Transfer, XferStatus
 
 _METADATA_KEY = "kvpush-fake-agent"
 
@@ -100,37 +88,22 @@ class FakeFabric:
 
 
 @dataclass(eq=False)
-class _Peer:
-    name: str
-    geometry: KVGeometry
-    disconnected: str | None = None
-
-
-@dataclass(eq=False)
 class _Op:
     """The fake's "nixl handle" of one posted transfer (``Transfer.handle``)."""
 
     peer: str
-    op: str
-    local_idx: np.ndarray
-    remote_idx: np.ndarray
-    per_layer: bool
+    plan: XferPlan
     remaining_polls: int
     fail: bool
 
 
-class FakeAgent:
+class FakeAgent(AgentCore):
     """A drop-in for ``NixlTransferAgent`` on a ``FakeFabric`` (see the module docstring)."""
 
     def __init__(self, name: str, fabric: FakeFabric, memory_type: str = "DRAM", device_id: int = 0, *,
                  capture_telemetry: bool = False) -> None:
-        if memory_type not in MEMORY_TYPES:
-            raise ValueError(f"memory_type must be one of {MEMORY_TYPES}, got {memory_type!r}")
-        self.name = name
+        super().__init__(name, memory_type, device_id, fabric.lock)
         self.fabric = fabric
-        self.memory_type = memory_type
-        self.device_id = device_id
-        self.stats = AgentStats()
         # fault injection
         self.fail_next_post = 0
         self.fail_next_completion = 0
@@ -140,9 +113,6 @@ class FakeAgent:
         self.dropped_notifs = 0
         self.notif_polls = 0  # get_notifs calls: how busily the owner polls
         self.rng = random.Random(f"{fabric.seed}:{name}")
-        self._closed = False
-        self._peers: dict[str, _Peer] = {}
-        self._geometry: KVGeometry | None = None
         self._kv: torch.Tensor | None = None
         self._inbox: list[tuple[str, bytes]] = []
         self._posted: set[Transfer] = set()
@@ -154,48 +124,26 @@ class FakeAgent:
     # ------------------------------------------------------------------ registration, peers
 
     @property
-    def geometry(self) -> KVGeometry | None:
-        return self._geometry
-
-    @property
     def kv(self) -> torch.Tensor | None:
         return self._kv
 
     def register_kv(self, kv: torch.Tensor | int, geometry: KVGeometry | None = None) -> KVGeometry:
-        with self.fabric.lock:
-            self._check_open("register_kv")
-            if self._geometry is not None:
-                raise TransferError(f"agent {self.name!r} already registered its KV buffer")
-            if not isinstance(kv, torch.Tensor):
+        with self._lock:
+            derived, tensor = self._buffer(kv, geometry)
+            if tensor is None:
                 raise ValueError("the fake agent copies bytes between tensors: register the KV tensor, "
                                  "not a raw address")
-            derived = KVGeometry.from_tensor(kv)
-            if geometry is not None and geometry != derived:
-                raise ValueError(f"geometry {geometry} does not describe the tensor ({derived})")
-            if derived.memory_type != self.memory_type:
-                raise ValueError(f"agent {self.name!r} handles {self.memory_type}, the buffer is "
-                                 f"{derived.memory_type}")
-            self._geometry, self._kv = derived, kv
+            self._geometry, self._kv = derived, tensor
             return derived
 
     def metadata(self) -> bytes:
-        with self.fabric.lock:
-            self._check_open("metadata")
-            if self._geometry is None:
-                raise TransferError(f"agent {self.name!r}: register_kv before sending metadata")
+        with self._lock:
+            self._registered("metadata")
             return msgspec.msgpack.encode({_METADATA_KEY: self.name})
 
     def add_peer(self, peer_metadata: bytes, peer_geometry: KVGeometry) -> str:
-        with self.fabric.lock:
-            self._check_open("add_peer")
-            local = self._geometry
-            if local is None:
-                raise TransferError(f"agent {self.name!r}: register_kv before add_peer")
-            if (peer_geometry.num_layers, peer_geometry.layer_bytes) != (local.num_layers, local.layer_bytes):
-                raise HandshakeError(
-                    f"KV geometry mismatch between {self.name!r} (num_layers={local.num_layers}, "
-                    f"layer_bytes={local.layer_bytes}) and the peer (num_layers="
-                    f"{peer_geometry.num_layers}, layer_bytes={peer_geometry.layer_bytes})")
+        with self._lock:
+            self._check_compatible(peer_geometry)
             try:
                 decoded = msgspec.msgpack.decode(bytes(peer_metadata))
                 name = decoded[_METADATA_KEY]
@@ -204,16 +152,14 @@ class FakeAgent:
             except (msgspec.DecodeError, KeyError, TypeError) as exc:
                 raise TransferError(f"fake add_remote_agent on agent {self.name!r} failed: "
                                     f"bad metadata ({type(exc).__name__}: {exc})") from exc
-            if name in self._peers:
-                raise HandshakeError(f"peer {name!r} is already added to agent {self.name!r}; "
-                                     f"remove_peer it first")
+            self._check_new_peer(name)
             other = self.fabric.agents.get(name)
             actual = other.geometry if other is not None else None
             if actual is not None and (actual.num_blocks, actual.block_bytes) != (
                     peer_geometry.num_blocks, peer_geometry.block_bytes):
                 raise HandshakeError(f"geometry given for peer {name!r} ({peer_geometry}) is not the "
                                      f"one it registered ({actual})")
-            self._peers[name] = _Peer(name, peer_geometry)
+            self._peers[name] = PeerEntry(name, peer_geometry)
             return name
 
     def connect(self, other: FakeAgent) -> None:
@@ -225,7 +171,7 @@ class FakeAgent:
 
     def handshake_info(self, engine_id: str | None = None, role: Role = Role.PREFILL, *,
                        compat_hash: str = "fake-compat", compat_summary: str = "fake") -> HandshakeInfo:
-        """The ``HandshakeInfo`` of this agent's registration (for a ``TransferWorker`` or ``AddPeer``)."""
+        """The ``HandshakeInfo`` of this agent's registration (for a ``TransferThread`` or ``AddPeer``)."""
         g = self._geometry
         if g is None:
             raise TransferError(f"agent {self.name!r}: register_kv before handshake_info")
@@ -235,110 +181,60 @@ class FakeAgent:
             block_bytes=g.block_bytes, layer_bytes=g.layer_bytes, memory_type=g.memory_type,
             device_id=g.device_id, compat_hash=compat_hash, compat_summary=compat_summary)
 
-    def peers(self) -> list[str]:
-        with self.fabric.lock:
-            return list(self._peers)
-
-    def is_connected(self, peer: str) -> bool:
-        with self.fabric.lock:
-            p = self._peers.get(peer)
-            return p is not None and p.disconnected is None
-
     def disconnect(self, peer: str, reason: str = "injected disconnect") -> None:
         """Fault injection: nixl reported ``peer`` gone (see the module docstring)."""
-        with self.fabric.lock:
+        with self._lock:
             p = self._peers.get(peer)
             if p is None:
                 raise TransferError(f"disconnect: agent {self.name!r} has no peer {peer!r}")
             p.disconnected = reason
 
     def remove_peer(self, peer: str) -> bool:
-        with self.fabric.lock:
+        with self._lock:
             p = self._peers.pop(peer, None)
             if p is None or self._closed:
                 return False
             for transfer in [t for t in self._posted if t.peer == peer]:
-                self._finish(transfer, TransferState.FAILED, f"peer {peer!r} was removed")
+                self._finish(transfer, XferStatus.FAILED, f"peer {peer!r} was removed")
                 transfer.handle = None
                 self._posted.discard(transfer)
             return True
 
     # ------------------------------------------------------------------ transfers
 
-    def write(self, peer: str, local_block_ids: BlockIds, remote_block_ids: BlockIds,
-              notif: bytes = b"") -> Transfer:
-        return self._post("WRITE", peer, local_block_ids, remote_block_ids, None, notif)
-
-    def read(self, peer: str, local_block_ids: BlockIds, remote_block_ids: BlockIds,
-             notif: bytes = b"") -> Transfer:
-        return self._post("READ", peer, local_block_ids, remote_block_ids, None, notif)
-
-    def write_layers(self, peer: str, local_block_ids: BlockIds, remote_block_ids: BlockIds,
-                     layers: Sequence[int], notif: bytes = b"") -> Transfer:
-        return self._post("WRITE", peer, local_block_ids, remote_block_ids, layers, notif)
-
-    def read_layers(self, peer: str, local_block_ids: BlockIds, remote_block_ids: BlockIds,
-                    layers: Sequence[int], notif: bytes = b"") -> Transfer:
-        return self._post("READ", peer, local_block_ids, remote_block_ids, layers, notif)
-
     def _post(self, op: str, peer: str, local_ids: BlockIds, remote_ids: BlockIds,
               layers: Sequence[int] | None, notif: bytes) -> Transfer:
         if self.post_delay_s > 0:
             time.sleep(self.post_delay_s)  # outside the lock: the other agents keep running
-        with self.fabric.lock:
-            self._check_open(op)
-            local_geometry = self._geometry
-            if local_geometry is None:
-                raise TransferError(f"agent {self.name!r}: register_kv before {op}")
-            p = self._peer(peer, op)
-            local = _indices(local_ids, local_geometry.num_blocks, "local_block_ids")
-            remote = _indices(remote_ids, p.geometry.num_blocks, "remote_block_ids")
-            if local.size != remote.size:
-                raise ValueError(f"{op}: {local.size} local block ids but {remote.size} remote ones")
-            if layers is None:
-                local_idx, remote_idx, unit = local, remote, local_geometry.block_bytes
-            else:
-                num_layers = local_geometry.num_layers
-                lay = np.unique(_indices(layers, num_layers, "layers"))
-                local_idx = (local[:, None] * num_layers + lay[None, :]).ravel()
-                remote_idx = (remote[:, None] * num_layers + lay[None, :]).ravel()
-                unit = local_geometry.layer_bytes
-            notif = bytes(notif)
-            now = time.monotonic()
-            if local_idx.size == 0:  # nothing to move: the notification alone says "done"
-                if notif:
-                    self._deliver(p, notif)
-                return Transfer(peer, op, 0, 0, notif, TransferState.DONE, now, finished_at=now)
-            target = self.fabric.agents.get(peer)
-            if target is None or target._closed:
-                p.disconnected = f"agent {peer!r} is gone"
-                self.stats.transfers_failed += 1
-                raise PeerDisconnectedError(f"{op} from agent {self.name!r} to peer {peer!r}: peer "
-                                            f"disconnected ({p.disconnected})", peer)
-            if self.fail_next_post > 0:
-                self.fail_next_post -= 1
-                self.stats.transfers_failed += 1
-                raise TransferError(f"fake {op} (post) on agent {self.name!r} (peer {peer!r}) failed: "
-                                    f"injected failure")
-            fail = self.fail_next_completion > 0
-            if fail:
-                self.fail_next_completion -= 1
-            handle = _Op(peer, op, local_idx, remote_idx, layers is not None,
-                         max(0, int(self.delay_completion_polls)), fail)
-            transfer = Transfer(peer, op, count_descriptors(local_idx, remote_idx),
-                                int(local_idx.size) * unit, notif, TransferState.POSTED, now, handle=handle)
-            self.stats.transfers_posted += 1
-            self.stats.descs_posted += transfer.num_descs
-            self.stats.bytes_posted += transfer.num_bytes
-            self._posted.add(transfer)
-            if handle.remaining_polls == 0 and not fail:
-                self._complete(transfer, handle)
-            transfer.post_s = time.monotonic() - now
-            return transfer
+        return super()._post(op, peer, local_ids, remote_ids, layers, notif)
 
-    def poll(self, transfer: Transfer) -> TransferState:
-        with self.fabric.lock:
-            if transfer.state is not TransferState.POSTED:
+    def _start(self, p: PeerEntry, plan: XferPlan, notif: bytes, now: float) -> Transfer:
+        op, peer = plan.op, p.name
+        target = self.fabric.agents.get(peer)
+        if target is None or target._closed:
+            p.disconnected = f"agent {peer!r} is gone"
+            self.stats.transfers_failed += 1
+            raise PeerDisconnectedError(f"{op} from agent {self.name!r} to peer {peer!r}: peer "
+                                        f"disconnected ({p.disconnected})", peer)
+        if self.fail_next_post > 0:
+            self.fail_next_post -= 1
+            self.stats.transfers_failed += 1
+            raise TransferError(f"fake {op} (post) on agent {self.name!r} (peer {peer!r}) failed: "
+                                f"injected failure")
+        fail = self.fail_next_completion > 0
+        if fail:
+            self.fail_next_completion -= 1
+        handle = _Op(peer, plan, max(0, int(self.delay_completion_polls)), fail)
+        transfer = self._new_transfer(peer, plan, notif, now, handle)
+        self._posted.add(transfer)
+        if handle.remaining_polls == 0 and not fail:
+            self._complete(transfer, handle)
+        transfer.post_s = time.monotonic() - now
+        return transfer
+
+    def poll(self, transfer: Transfer) -> XferStatus:
+        with self._lock:
+            if transfer.state is not XferStatus.POSTED:
                 return transfer.state
             handle = transfer.handle
             if not isinstance(handle, _Op):
@@ -351,34 +247,23 @@ class FakeAgent:
             self._complete(transfer, handle)
             return transfer.state
 
-    def wait(self, transfer: Transfer, timeout_s: float) -> TransferState:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            state = self.poll(transfer)
-            if state is not TransferState.POSTED:
-                return state
-            if time.monotonic() >= deadline:
-                raise TransferError(f"{transfer.op} towards peer {transfer.peer!r} still in flight "
-                                    f"after {timeout_s} s")
-            time.sleep(5e-5)
-
     def release(self, transfer: Transfer) -> None:
-        with self.fabric.lock:
+        with self._lock:
             if transfer.handle is None:
                 return
             transfer.handle = None
-            if transfer.state is TransferState.POSTED:
-                self._finish(transfer, TransferState.FAILED, "released before completion")
+            if transfer.state is XferStatus.POSTED:
+                self._finish(transfer, XferStatus.FAILED, "released before completion")
             self._posted.discard(transfer)
 
     def in_flight(self) -> list[Transfer]:
         """This agent's transfers still POSTED and not released."""
-        with self.fabric.lock:
-            return [t for t in self._posted if t.state is TransferState.POSTED]
+        with self._lock:
+            return [t for t in self._posted if t.state is XferStatus.POSTED]
 
     def finish_delayed(self) -> None:
         """Every delayed transfer of this agent completes at its next ``poll``."""
-        with self.fabric.lock:
+        with self._lock:
             for t in self._posted:
                 if isinstance(t.handle, _Op):
                     t.handle.remaining_polls = 0
@@ -388,24 +273,25 @@ class FakeAgent:
         p = self._peers.get(handle.peer)
         target = self.fabric.agents.get(handle.peer)
         if handle.fail:
-            self._finish(transfer, TransferState.FAILED, f"{transfer.op} towards peer {handle.peer!r}: "
+            self._finish(transfer, XferStatus.FAILED, f"{transfer.op} towards peer {handle.peer!r}: "
                                                          f"injected completion failure")
             return
         if p is None or p.disconnected is not None or target is None or target._closed or target._kv is None:
             why = p.disconnected if p is not None and p.disconnected else "peer gone"
             if p is not None and p.disconnected is None:
                 p.disconnected = why
-            self._finish(transfer, TransferState.FAILED, f"{transfer.op} towards peer {handle.peer!r}: {why}")
+            self._finish(transfer, XferStatus.FAILED, f"{transfer.op} towards peer {handle.peer!r}: {why}")
             return
         assert self._kv is not None
-        mine, theirs = self._units(self._kv, handle.per_layer), self._units(target._kv, handle.per_layer)
-        local = torch.from_numpy(handle.local_idx.astype(np.int64))
-        remote = torch.from_numpy(handle.remote_idx.astype(np.int64))
-        if handle.op == "WRITE":
+        plan = handle.plan
+        mine, theirs = self._units(self._kv, plan.per_layer), self._units(target._kv, plan.per_layer)
+        local = torch.from_numpy(plan.local_idx.astype(np.int64))
+        remote = torch.from_numpy(plan.remote_idx.astype(np.int64))
+        if plan.op == "WRITE":
             theirs[remote.to(theirs.device)] = mine[local.to(mine.device)].to(theirs.device)
         else:
             mine[local.to(mine.device)] = theirs[remote.to(theirs.device)].to(mine.device)
-        self._finish(transfer, TransferState.DONE, None)
+        self._finish(transfer, XferStatus.DONE, None)
         if transfer.notif:
             self._deliver(p, transfer.notif)
 
@@ -417,12 +303,7 @@ class FakeAgent:
 
     # ------------------------------------------------------------------ notifications
 
-    def send_notif(self, peer: str, msg: bytes) -> None:
-        with self.fabric.lock:
-            self._check_open("send_notif")
-            self._deliver(self._peer(peer, "send_notif"), bytes(msg))
-
-    def _deliver(self, p: _Peer, msg: bytes) -> None:
+    def _deliver(self, p: PeerEntry, msg: bytes) -> None:
         """Lock held. Into the peer's inbox, unless dropped (injected) or the peer is gone (silently)."""
         self.stats.notifs_sent += 1
         if self._drop():
@@ -441,66 +322,22 @@ class FakeAgent:
             return True
         return False
 
-    def get_notifs(self) -> list[tuple[str, bytes]]:
-        with self.fabric.lock:
-            self._check_open("get_notifs")
-            self.notif_polls += 1
-            out, self._inbox = self._inbox, []
-            self.stats.notifs_received += len(out)
-            return out
+    def _take_notifs(self) -> list[tuple[str, bytes]]:
+        self.notif_polls += 1
+        out, self._inbox = self._inbox, []
+        return out
 
     # ------------------------------------------------------------------ teardown
 
-    def close(self) -> None:
-        with self.fabric.lock:
-            if self._closed:
-                return
-            for peer in list(self._peers):
-                self.remove_peer(peer)
-            for transfer in list(self._posted):
-                self._finish(transfer, TransferState.FAILED, "agent closed")
-                transfer.handle = None
-            self._posted.clear()
-            self._closed = True
-            self._kv = None
-            self._inbox = []
-            if self.fabric.agents.get(self.name) is self:
-                del self.fabric.agents[self.name]
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def __enter__(self) -> FakeAgent:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-    # ------------------------------------------------------------------ helpers
-
-    def _check_open(self, op: str) -> None:
-        if self._closed:
-            raise TransferError(f"{op} on closed agent {self.name!r}")
-
-    def _peer(self, peer: str, op: str) -> _Peer:
-        p = self._peers.get(peer)
-        if p is None:
-            raise TransferError(f"{op} from agent {self.name!r}: unknown peer {peer!r} "
-                                f"(known: {sorted(self._peers)})")
-        if p.disconnected is not None:
-            raise PeerDisconnectedError(f"{op} from agent {self.name!r}: peer {peer!r} is "
-                                        f"disconnected ({p.disconnected}); remove_peer it", peer)
-        return p
-
-    def _finish(self, transfer: Transfer, state: TransferState, error: str | None) -> None:
-        if transfer.state is not TransferState.POSTED:
-            return
-        transfer.state, transfer.error, transfer.finished_at = state, error, time.monotonic()
-        if state is TransferState.DONE:
-            self.stats.transfers_done += 1
-        else:
-            self.stats.transfers_failed += 1
+    def _teardown(self) -> None:
+        for transfer in list(self._posted):
+            self._finish(transfer, XferStatus.FAILED, "agent closed")
+            transfer.handle = None
+        self._posted.clear()
+        self._kv = None
+        self._inbox = []
+        if self.fabric.agents.get(self.name) is self:
+            del self.fabric.agents[self.name]
 
 
 __all__ = ["FakeAgent", "FakeFabric"]

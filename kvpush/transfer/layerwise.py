@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvpush.transfer.nixl_agent import NixlTransferAgent, Transfer, TransferState
+from kvpush.transfer.kv_agent import KVAgent, Transfer, XferStatus
 
 
 @dataclass
@@ -48,7 +48,7 @@ class LayerwiseTransfer:
 
 
 class LayerwiseWriter:
-    def __init__(self, agent: NixlTransferAgent, num_layers: int) -> None:
+    def __init__(self, agent: KVAgent, num_layers: int) -> None:
         self.agent = agent
         self.num_layers = num_layers
         self.transfers: dict[str, LayerwiseTransfer] = {}
@@ -103,11 +103,11 @@ class LayerwiseWriter:
             still = []
             for transfer in t.in_flight:
                 state = self.agent.poll(transfer)
-                if state is TransferState.POSTED:
+                if state is XferStatus.POSTED:
                     still.append(transfer)
                     continue
                 self.agent.release(transfer)
-                if state is TransferState.FAILED:
+                if state is XferStatus.FAILED:
                     t.failed = transfer.error or "layer write failed"
             t.in_flight = still
             if not still:

@@ -1,23 +1,10 @@
 """The transfer ledger: one record per transfer_id, with an explicit state, on each side.
 
-States and who moves a record between them (P = prefill side, D = decode side)::
-
-    PREFILLED   P: prefill finished, blocks held under a lease; no registration yet (push) or
-                   waiting for D's READ (pull)                               on_prefill_done
-    REGISTERED  P: D's PushReg arrived before prefill finished               on_registration
-                D: blocks allocated and registered with P, waiting for Done  register
-    MATCHED     P: both halves present: the writer posts the WRITE, once     on_prefill_done / on_registration
-                D (pull): P's blocks known, D posts the READ                 register(remote_block_ids=...)
-    POSTED      the WRITE (P, push) or READ (D, pull) is in flight           mark_posted
-    DONE        P: WRITE done / ReadDone / Release: free P's blocks          mark_done, on_notification
-                D: Done received (push) or READ done (pull): decode
-    FAILED      a local error (mark_failed) or the peer's Fail / Abort
-    EXPIRED     the deadline (D) or lease (P) passed                         expire
-
-``TRANSITIONS`` is the whole table; anything else raised by an internal caller is a
-``LedgerError``. Peer input never raises: a notification with an unknown, stale (terminal) or
-foreign (another engine than recorded) transfer_id, or one that makes no sense in the record's
-state, is ignored and counted in ``counters``. A duplicate never re-applies.
+States, transitions and the record: records.py. A transition ``TRANSITIONS`` does not allow,
+asked by an internal caller, is a ``LedgerError``. Peer input never raises: a notification with an
+unknown, stale (terminal) or foreign (another engine than recorded) transfer_id, or one that makes
+no sense in the record's state, is ignored and counted in ``counters``. A duplicate never re-applies.
+On D a Commit (layer-wise push: every layer landed) counts as Done.
 
 On P, a PushReg, Release, Abort or Fail may arrive before P has seen the request at all (the proxy
 dispatches both legs at once): PushReg creates a REGISTERED record; Release / Abort / Fail create a
@@ -30,8 +17,8 @@ peer's Fail / Abort / late Done says so (the sender of Fail/Abort has nothing in
 the end of the WRITE), or ``confirm_nothing_in_flight`` does (D's own READ ended), or the quarantine
 deadline, max(failure time, transfer deadline) + ``quarantine_s``, passed: nobody posts after the
 deadline (``mark_posted`` refuses, matching past it expires), so ``quarantine_s`` only has to cover
-how long a posted WRITE / READ can take. Terminal records stay as tombstones for ``tombstone_s`` so a late message is
-recognized as stale rather than unknown; ``gc`` drops them afterwards.
+how long a posted WRITE / READ can take. Terminal records stay as tombstones for ``tombstone_s``
+so a late message is recognized as stale rather than unknown; ``gc`` drops them afterwards.
 
 Threads: the transfer thread owns the ledger, but every public method takes one lock, so reading
 metrics from another thread is safe. Records are immutable snapshots. No I/O.
@@ -43,105 +30,32 @@ import dataclasses
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from enum import StrEnum
 
-from kvpush.errors import TransferError
+from kvpush.config import Role
 from kvpush.transfer import protocol as pr
-
-
-class LedgerError(TransferError):
-    """An internal caller asked for a transition the table does not allow."""
-
-
-class Side(StrEnum):
-    PREFILL = "prefill"
-    DECODE = "decode"
-
-
-class TransferState(StrEnum):
-    PREFILLED = "prefilled"
-    REGISTERED = "registered"
-    MATCHED = "matched"
-    POSTED = "posted"
-    DONE = "done"
-    FAILED = "failed"
-    EXPIRED = "expired"
-
-    @property
-    def is_terminal(self) -> bool:
-        return self in _TERMINAL
-
+from kvpush.transfer.records import (
+    TRANSITIONS,
+    LedgerCounters,
+    LedgerError,
+    TransferRecord,
+    TransferState,
+)
 
 S = TransferState
-_TERMINAL = frozenset({S.DONE, S.FAILED, S.EXPIRED})
-TRANSITIONS: dict[TransferState, frozenset[TransferState]] = {
-    S.PREFILLED: frozenset({S.MATCHED, S.DONE, S.FAILED, S.EXPIRED}),
-    S.REGISTERED: frozenset({S.MATCHED, S.DONE, S.FAILED, S.EXPIRED}),
-    S.MATCHED: frozenset({S.POSTED, S.FAILED, S.EXPIRED}),
-    S.POSTED: frozenset({S.DONE, S.FAILED, S.EXPIRED}),
-    **dict.fromkeys(_TERMINAL, frozenset()),
+
+_OUTCOME: dict[type, TransferState] = {pr.Done: S.DONE, pr.Commit: S.DONE, pr.ReadDone: S.DONE,
+                                       pr.Release: S.DONE, pr.Fail: S.FAILED, pr.Abort: S.FAILED}
+_ACCEPTED: dict[Role, tuple[type, ...]] = {  # besides PushReg on P
+    Role.PREFILL: (pr.Release, pr.Abort, pr.Fail, pr.ReadDone, pr.LeaseRenew),
+    Role.DECODE: (pr.Done, pr.Commit, pr.Fail, pr.Abort),
 }
-INITIAL_STATES: dict[Side, frozenset[TransferState]] = {
-    # DONE / FAILED: tombstones of a Release / Abort / Fail that came before the request.
-    Side.PREFILL: frozenset({S.PREFILLED, S.REGISTERED, S.DONE, S.FAILED}),
-    Side.DECODE: frozenset({S.REGISTERED, S.MATCHED}),
-}
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class TransferRecord:
-    transfer_id: str
-    side: Side
-    state: TransferState
-    request_id: str | None
-    peer_engine_id: str | None
-    local_block_ids: tuple[int, ...] = ()
-    remote_block_ids: tuple[int, ...] = ()
-    has_local: bool = False  # P: prefill done; D: always
-    has_remote: bool = False  # P: PushReg applied; D (pull): P's blocks known
-    num_tokens: int | None = None
-    num_prefix_tokens: int = 0
-    deadline: float
-    peer_deadline: float | None = None  # P: the PushReg's deadline; the tombstone outlives it
-    created_at: float
-    updated_at: float
-    posted_at: float | None = None
-    first_token_id: int | None = None
-    num_bytes: int = 0
-    num_descs: int = 0
-    error: str | None = None
-    in_flight_confirmed: bool = False  # D: nothing can still write into local_block_ids
-    quarantine_until: float | None = None  # D: FAILED / EXPIRED only
-    quarantine_released: bool = False
-
-    @property
-    def is_terminal(self) -> bool:
-        return self.state in _TERMINAL
-
-    @property
-    def is_quarantined(self) -> bool:
-        return self.quarantine_until is not None and not self.quarantine_released
-
-
-@dataclass(slots=True)
-class LedgerCounters:
-    ignored_unknown: int = 0
-    ignored_stale: int = 0
-    ignored_foreign: int = 0
-    ignored_unexpected: int = 0  # a message that makes no sense for this side or state
-    duplicates: int = 0
-    early: int = 0  # P: Release / Abort / Fail before the request was known
-    confirmations: int = 0  # D: peer said nothing is in flight for a quarantined transfer
-
-
-_OUTCOME: dict[type, TransferState] = {pr.Done: S.DONE, pr.ReadDone: S.DONE, pr.Release: S.DONE,
-                                       pr.Fail: S.FAILED, pr.Abort: S.FAILED}
 
 
 class TransferLedger:
-    def __init__(self, side: Side, *, tombstone_s: float = 300.0, quarantine_s: float = 60.0,
+    def __init__(self, side: Role, *, tombstone_s: float = 300.0, quarantine_s: float = 60.0,
                  max_lease_s: float = 600.0, clock: Callable[[], float] = time.time) -> None:
+        if side not in _ACCEPTED:
+            raise ValueError(f"a transfer ledger is kept by a prefill or decode instance, not {side.value}")
         self.side = side
         self.tombstone_s = tombstone_s
         self.quarantine_s = quarantine_s
@@ -198,7 +112,7 @@ class TransferLedger:
         now = self._now(now)
         blocks = tuple(block_ids)
         with self._lock:
-            self._require_side(Side.PREFILL)
+            self._require_side(Role.PREFILL)
             rec = self._records.get(transfer_id)
             if (rec is not None and not rec.has_local and peer_engine_id is not None
                     and rec.peer_engine_id not in (None, peer_engine_id)):
@@ -225,7 +139,7 @@ class TransferLedger:
         """P: D's PushReg. Returns the record if applied (REGISTERED, or MATCHED: post now), else None."""
         now = self._now(now)
         with self._lock:
-            self._require_side(Side.PREFILL)
+            self._require_side(Role.PREFILL)
             return self._registration(msg, peer, now)
 
     # --- D side -----------------------------------------------------------------------------
@@ -239,7 +153,7 @@ class TransferLedger:
         now = self._now(now)
         blocks = tuple(block_ids)
         with self._lock:
-            self._require_side(Side.DECODE)
+            self._require_side(Role.DECODE)
             if transfer_id in self._records:
                 raise LedgerError(f"transfer {transfer_id} is already registered")
             self._claim(blocks, transfer_id)
@@ -311,16 +225,14 @@ class TransferLedger:
         """A message from engine ``peer``. Returns the record if it was applied, else None (counted)."""
         now = self._now(now)
         with self._lock:
-            if isinstance(msg, pr.PushReg) and self.side is Side.PREFILL:
+            if isinstance(msg, pr.PushReg) and self.side is Role.PREFILL:
                 return self._registration(msg, peer, now)
-            p_side = (pr.Release, pr.Abort, pr.Fail, pr.ReadDone, pr.LeaseRenew)
-            if isinstance(msg, pr.Commit) or not isinstance(msg, p_side if self.side is Side.PREFILL
-                                                         else (pr.Done, pr.Fail, pr.Abort)):
+            if not isinstance(msg, _ACCEPTED[self.side]):
                 self._counters.ignored_unexpected += 1
                 return None
             rec = self._records.get(msg.transfer_id)
             if rec is None:
-                if self.side is Side.PREFILL and isinstance(msg, (pr.Release, pr.Abort, pr.Fail)):
+                if self.side is Role.PREFILL and isinstance(msg, (pr.Release, pr.Abort, pr.Fail)):
                     self._counters.early += 1
                     return self._put(TransferRecord(
                         transfer_id=msg.transfer_id, side=self.side, state=_OUTCOME[type(msg)],
@@ -332,7 +244,7 @@ class TransferLedger:
                 self._counters.ignored_foreign += 1
                 return None
             if rec.is_terminal:
-                if (self.side is Side.DECODE and rec.is_quarantined and not rec.in_flight_confirmed
+                if (self.side is Role.DECODE and rec.is_quarantined and not rec.in_flight_confirmed
                         and rec.posted_at is None):
                     self._counters.confirmations += 1  # P's Done / Fail / Abort ends its WRITE
                     self._put(dataclasses.replace(rec, in_flight_confirmed=True))
@@ -366,7 +278,7 @@ class TransferLedger:
     def _now(self, now: float | None) -> float:
         return self._clock() if now is None else now
 
-    def _require_side(self, side: Side) -> None:
+    def _require_side(self, side: Role) -> None:
         if self.side is not side:
             raise LedgerError(f"a {side.value}-side operation on the {self.side.value} ledger")
 
@@ -400,7 +312,7 @@ class TransferLedger:
             raise LedgerError(f"transfer {rec.transfer_id}: illegal transition "
                               f"{rec.state.value} -> {state.value}")
         new = dataclasses.replace(rec, state=state, updated_at=now, **changes)  # type: ignore[arg-type]
-        if state is S.DONE or (state.is_terminal and self.side is Side.PREFILL):
+        if state is S.DONE or (state.is_terminal and self.side is Role.PREFILL):
             self._unclaim(new)  # P: the caller frees them; D: they now belong to the request
         elif state.is_terminal:
             # P posts only before the deadline, so anything it posted lands by deadline + quarantine_s.
@@ -453,7 +365,7 @@ class TransferLedger:
         if ((isinstance(msg, pr.ReadDone) and state is S.PREFILLED)
                 or (isinstance(msg, pr.Release) and state in (S.PREFILLED, S.REGISTERED))):
             return self._move(rec, S.DONE, now, peer_engine_id=peer)
-        if isinstance(msg, pr.Done) and state is S.REGISTERED:
+        if isinstance(msg, pr.Done | pr.Commit) and state is S.REGISTERED:
             return self._move(rec, S.DONE, now, first_token_id=msg.first_token_id)
         self._counters.ignored_unexpected += 1
         return None

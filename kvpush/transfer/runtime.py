@@ -14,17 +14,19 @@ import queue
 import socket
 import uuid
 from collections.abc import Callable
+from typing import TypeVar
 
 from kvpush.config import KVMode, Role, TransferConfig
+from kvpush.engine.kv_connector import KVConnector
+from kvpush.errors import InvalidRequestError
 from kvpush.kv_cache import KVCache
-from kvpush.transfer.base import KVConnector
-from kvpush.transfer.commands import Event
+from kvpush.kv_params import DecodeLegParams, PrefillLegParams, RequestLegParams
+from kvpush.transfer.events import Event
 from kvpush.transfer.handshake import HandshakeInfo, compat_hash, compat_summary
-from kvpush.transfer.ledger import Side
 from kvpush.transfer.nixl_agent import NixlTransferAgent
 from kvpush.transfer.side_channel import SideChannelServer
 from kvpush.transfer.stats import TransferStats
-from kvpush.transfer.worker import TransferWorker
+from kvpush.transfer.thread import TransferThread
 
 
 def model_identity(model_dir: str) -> str:
@@ -65,10 +67,9 @@ class TransferRuntime:
             block_bytes=geometry.block_bytes, layer_bytes=geometry.layer_bytes,
             memory_type=geometry.memory_type, device_id=geometry.device_id,
             compat_hash=compat_hash(*fields), compat_summary=compat_summary(*fields))
-        side = Side.PREFILL if role is Role.PREFILL else Side.DECODE
-        self.worker = TransferWorker(side, self.agent, self.info, config.kv_secret, self._emit, layout.block_size,
-                                     faults=config.faults, layerwise=config.kv_mode is KVMode.PUSH_LAYERWISE)
-        self.worker.ledger.quarantine_s = config.kv_quarantine_s
+        self.thread = TransferThread(role, self.agent, self.info, config.kv_secret, self._emit, layout.block_size,
+                                     faults=config.faults, layerwise=config.kv_mode is KVMode.PUSH_LAYERWISE,
+                                     quarantine_s=config.kv_quarantine_s)
 
     @property
     def kv_address(self) -> str:
@@ -83,15 +84,15 @@ class TransferRuntime:
         return self.config.kv_mode
 
     def start(self) -> TransferRuntime:
-        self.worker.start()
+        self.thread.start()
         self.side_channel.start()
         return self
 
     def _count_rejected(self) -> None:
-        self.worker.metrics.handshake_failures += 1
+        self.thread.metrics.handshake_failures += 1
 
     def _on_handshake(self, frame: bytes) -> bytes:
-        return self.worker.handle_handshake(frame)
+        return self.thread.handle_handshake(frame)
 
     def _emit(self, event: Event) -> None:
         self.events.put(event)
@@ -111,16 +112,35 @@ class TransferRuntime:
 
     def shutdown(self) -> None:
         self.side_channel.close()
-        self.worker.stop()
-        self.worker.join(timeout=10)
+        self.thread.stop()
+        self.thread.join(timeout=10)
+
+
+_LegT = TypeVar("_LegT", PrefillLegParams, DecodeLegParams)
 
 
 class RuntimeConnector(KVConnector):
-    """What the prefill and decode connectors share: a TransferRuntime and its events."""
+    """What the prefill and decode connectors share: a TransferRuntime and its events, and what
+    the engine-core process asks of a connector besides the engine's interface (address, id,
+    stats, shutdown)."""
 
     def __init__(self, runtime: TransferRuntime, config: TransferConfig) -> None:
         self.runtime = runtime
         self.config = config
+
+    def leg(self, params: RequestLegParams | None, cls: type[_LegT]) -> _LegT:
+        """The leg's parameters, checked to be for this role and mode; InvalidRequestError if not."""
+        role = self.runtime.role.value
+        if params is None:
+            raise InvalidRequestError(f"a {role} instance needs kv_transfer_params from the proxy",
+                                      param="kv_transfer_params")
+        if not isinstance(params, cls):
+            raise InvalidRequestError(f"a {role} instance takes {cls.__name__}, got {type(params).__name__}",
+                                      param="kv_transfer_params")
+        if params.mode is not self.runtime.mode:
+            raise InvalidRequestError(f"kv_transfer_params mode {params.mode.value!r} but this instance runs "
+                                      f"--kv-mode {self.runtime.mode.value}", param="kv_transfer_params")
+        return params
 
     @property
     def kv_address(self) -> str:
@@ -134,7 +154,7 @@ class RuntimeConnector(KVConnector):
         return not self.runtime.events.empty()
 
     def stats(self) -> TransferStats:
-        return self.runtime.worker.stats()
+        return self.runtime.thread.stats()
 
     def shutdown(self) -> None:
         self.runtime.shutdown()

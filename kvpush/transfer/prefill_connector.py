@@ -1,7 +1,7 @@
-"""The prefill side (P) of a disaggregated deployment.
+"""The prefill side (P) of a disaggregated deployment: its KV connector.
 
 Request lifecycle on P:
-    admitted (kv_transfer_params = PrefillLegParams; max_tokens forced to 1; push: Expect sent)
+    admitted (kv_transfer_params = PrefillLegParams; max_tokens forced to 1)
     -> prefill computed, first token sampled -> FINISHED: blocks *held* (Hold sent to the transfer
        thread) and PrefillResult returned to the proxy (pull: P's block ids and lease)
     -> transfer DONE (push: WRITE done; pull: D's ReadDone; either: D's Release)
@@ -20,31 +20,17 @@ import msgspec
 from kvpush.config import KVMode, TransferConfig
 from kvpush.device import synchronize
 from kvpush.engine.request import Request, RequestStatus
-from kvpush.errors import InvalidRequestError
-from kvpush.transfer import protocol as pr
-from kvpush.transfer.commands import Cancel, Expect, FreeBlocks, Hold, LayersDone
+from kvpush.engine.scheduler import Admission
+from kvpush.kv_params import PrefillLegParams, PrefillResult, RequestLegParams
+from kvpush.transfer.commands import Cancel, Hold, LayersDone
+from kvpush.transfer.events import FreeBlocks
 from kvpush.transfer.runtime import RuntimeConnector, TransferRuntime
 
 
 @dataclass
 class PrefillState:
-    params: pr.PrefillLegParams
+    params: PrefillLegParams
     handed: int = 0  # layer-wise: blocks [0, handed) were handed to the writer (every layer)
-
-
-def parse_params(kv: dict | None, cls, mode: KVMode, role: str):
-    """kv_transfer_params of one leg, checked against this instance's mode. InvalidRequestError if bad."""
-    if kv is None:
-        raise InvalidRequestError(f"a {role} instance needs kv_transfer_params from the proxy",
-                                  param="kv_transfer_params")
-    try:
-        params = pr.params_from_dict(kv, cls)
-    except pr.ProtocolError as e:
-        raise InvalidRequestError(str(e), param="kv_transfer_params") from e
-    if params.mode is not mode:
-        raise InvalidRequestError(f"kv_transfer_params mode {params.mode.value!r} but this instance runs "
-                                  f"--kv-mode {mode.value}", param="kv_transfer_params")
-    return params
 
 
 class PrefillConnector(RuntimeConnector):
@@ -53,19 +39,17 @@ class PrefillConnector(RuntimeConnector):
         self.host, port = runtime.kv_address.rsplit(":", 1)
         self.port = int(port)
 
-    def on_add(self, request: Request, kv_transfer_params: dict | None) -> None:
-        params = parse_params(kv_transfer_params, pr.PrefillLegParams, self.runtime.mode, "prefill")
+    def on_add(self, request: Request, params: RequestLegParams | None) -> None:
+        leg = self.leg(params, PrefillLegParams)
         request.sampling_params = msgspec.structs.replace(request.sampling_params, max_tokens=1, min_tokens=0)
-        request.kv_state = PrefillState(params)
-        if params.mode.is_push:
-            self.runtime.worker.submit(Expect(params.transfer_id))
+        request.kv_state = PrefillState(leg)
 
     def before_forward(self, scheduled: list[tuple[Request, int]]) -> None:
         """Layer-wise push: after each layer, hand the writer the blocks this chunk completes (the last
         chunk also its partial last block). What was handed over is never handed again."""
         if self.runtime.mode is not KVMode.PUSH_LAYERWISE:
             return
-        bs = self.engine.block_manager.block_size
+        bs = self.hooks.block_size
         items = []
         for request, n in scheduled:
             st = request.kv_state
@@ -77,12 +61,12 @@ class PrefillConnector(RuntimeConnector):
                 indices = tuple(range(st.handed, last))
                 items.append((st.params.transfer_id, indices, tuple(request.block_table[i] for i in indices)))
                 st.handed = last
-        self.engine.runner.layer_hook = self._layer_hook(tuple(items)) if items else None
+        self.hooks.set_layer_hook(self._layer_hook(tuple(items)) if items else None)
 
     def _layer_hook(self, batch: tuple) -> Callable[[int], None]:
         """Hand layer `layer` of `batch` to the writer. On a GPU the layer's K/V writes are only queued
         when the hook runs: wait for them first, or the WRITE could read the blocks before they hold it."""
-        submit, device = self.runtime.worker.submit, self.engine.cache.kv.device
+        submit, device = self.runtime.thread.submit, self.hooks.kv_device
         if device.type == "cpu":
             return lambda layer: submit(LayersDone(layer, batch))
 
@@ -91,9 +75,11 @@ class PrefillConnector(RuntimeConnector):
             submit(LayersDone(layer, batch))
         return hook
 
-    def admit(self, request: Request) -> bool:
+    def admit(self, request: Request) -> Admission:
         delay = self.config.faults.delay_prefill_s
-        return delay <= 0 or time.time() >= request.trace.get("arrived", 0.0) + delay
+        if delay <= 0 or time.time() >= request.trace.get("arrived", 0.0) + delay:
+            return Admission.RUN
+        return Admission.WAIT
 
     def on_finished(self, request: Request) -> bool:
         st = request.kv_state
@@ -102,27 +88,25 @@ class PrefillConnector(RuntimeConnector):
         p = st.params
         if request.status not in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED) \
                 or not request.output_token_ids:
-            self.runtime.worker.submit(Cancel(p.transfer_id, f"prefill {request.status.value}", p.decode_engine_id))
+            self.runtime.thread.submit(Cancel(p.transfer_id, f"prefill {request.status.value}", p.decode_engine_id))
             return False
         blocks = tuple(request.block_table)
         request.block_table = []
         now = time.time()
         lease = now + self.config.kv_lease_s
         first = request.output_token_ids[0]
-        self.runtime.worker.submit(Hold(p.transfer_id, request.request_id, blocks, request.num_prompt_tokens,
+        self.runtime.thread.submit(Hold(p.transfer_id, request.request_id, blocks, request.num_prompt_tokens,
                                         first, lease, p.decode_engine_id))
         pull = p.mode is KVMode.PULL
-        result = pr.PrefillResult(
+        request.kv_result = PrefillResult(
             transfer_id=p.transfer_id, mode=p.mode, prefill_engine_id=self.engine_id, prefill_kv_host=self.host,
             prefill_kv_port=self.port, num_tokens=request.num_prompt_tokens,
             block_ids=list(blocks) if pull else [], lease_expiry=lease if pull else None, first_token_id=first)
-        request.kv_result = pr.params_to_dict(result)
         request.trace["prefill_done"] = now
         return True
 
     def poll(self) -> list[Request]:
         for event in self.runtime.drain_events():
             if isinstance(event, FreeBlocks):
-                self.engine.block_manager.free_blocks(event.block_ids)
+                self.hooks.free_blocks(event.block_ids)
         return []
-

@@ -1,4 +1,4 @@
-"""The decode side (D) of a disaggregated deployment.
+"""The decode side (D) of a disaggregated deployment: its KV connector.
 
 Request lifecycle on D:
     admitted with DecodeLegParams -> WAITING (until blocks are free)
@@ -21,27 +21,20 @@ import time
 from dataclasses import dataclass
 
 from kvpush.config import FirstToken, KVMode, OnKVFailure, TransferConfig
-from kvpush.engine.request import Request, RequestStatus, TokenLogprob
+from kvpush.engine.request import Request, RequestStatus
+from kvpush.engine.scheduler import Admission
 from kvpush.errors import InvalidRequestError
+from kvpush.kv_params import DecodeLegParams, RequestLegParams
 from kvpush.transfer import protocol as pr
-from kvpush.transfer.commands import (
-    Cancel,
-    FreeBlocks,
-    KVFailed,
-    KVReady,
-    PeerAddr,
-    Read,
-    Register,
-    SendNotif,
-)
-from kvpush.transfer.prefill import parse_params
+from kvpush.transfer.commands import Cancel, PeerAddr, Read, Register, SendNotif
+from kvpush.transfer.events import FreeBlocks, KVFailed, KVReady
 from kvpush.transfer.runtime import RuntimeConnector, TransferRuntime
 from kvpush.transfer.stats import TransferStats
 
 
 @dataclass
 class DecodeState:
-    params: pr.DecodeLegParams
+    params: DecodeLegParams
     deadline: float
     admitted: bool = False
     pending: bool = False  # the transfer is under way (registered or read posted, no outcome yet)
@@ -61,11 +54,12 @@ class DecodeConnector(RuntimeConnector):
     def __init__(self, runtime: TransferRuntime, config: TransferConfig) -> None:
         super().__init__(runtime, config)
         self.fallbacks = 0
+        self.requests: dict[str, Request] = {}  # transfer id -> request (from on_add to on_finished)
 
-    def on_add(self, request: Request, kv_transfer_params: dict | None) -> None:
+    def on_add(self, request: Request, kv_transfer_params: RequestLegParams | None) -> None:
         if kv_transfer_params is None:
             return  # a plain request: computed locally
-        params = parse_params(kv_transfer_params, pr.DecodeLegParams, self.runtime.mode, "decode")
+        params = self.leg(kv_transfer_params, DecodeLegParams)
         if params.num_tokens is not None and params.num_tokens != request.num_prompt_tokens:
             raise InvalidRequestError(f"prefill computed {params.num_tokens} tokens but this request has "
                                       f"{request.num_prompt_tokens}", param="kv_transfer_params")
@@ -75,21 +69,22 @@ class DecodeConnector(RuntimeConnector):
         lease_s = params.lease_expiry - now if params.lease_expiry is not None else self.config.kv_lease_s
         request.kv_state = DecodeState(params, deadline=now + self.config.kv_timeout_s,
                                        lease_until=params.lease_expiry, lease_s=max(lease_s, 0.1), renewed_at=now)
+        self.requests[params.transfer_id] = request
 
     # ---- admission -----------------------------------------------------------------------
-    def admit(self, request: Request) -> bool:
+    def admit(self, request: Request) -> Admission:
         st = request.kv_state
         if not isinstance(st, DecodeState) or st.admitted:
-            return True
+            return Admission.RUN
         if time.time() >= st.deadline:
             return self._late(request, st)
-        bm, bs, n = self.engine.block_manager, self.engine.block_manager.block_size, request.num_prompt_tokens
+        hooks, bs, n = self.hooks, self.hooks.block_size, request.num_prompt_tokens
         st.need_len = n if self._from_prefill(st) else n - 1
-        hits = bm.find_cached_prefix_tokens(request.prompt_token_ids[: st.need_len])
+        hits = hooks.cached_prefix(request.prompt_token_ids[: st.need_len])
         if st.params.mode.is_push and st.need_len == n:
             hits = hits[: (n - 1) // bs]  # P's first token rides on Done: leave at least one block to push
-        if not bm.allocate(request, n - len(hits) * bs, hits):
-            return False
+        if not hooks.allocate(request, n - len(hits) * bs, hits):
+            return Admission.WAIT
         st.admitted = True
         request.num_cached_tokens = len(hits) * bs
         st.transfer_blocks = tuple(request.block_table[len(hits) : -(-st.need_len // bs)])
@@ -98,35 +93,32 @@ class DecodeConnector(RuntimeConnector):
             self._start_transfer(request, st, len(hits))
         else:
             self._nothing_to_receive(request, st)
-        return True
+        return Admission.PARK
 
-    def _late(self, request: Request, st: DecodeState) -> bool:
+    def _late(self, request: Request, st: DecodeState) -> Admission:
         """The KV deadline passed while the request waited for blocks: give P its blocks back and
         compute locally or fail, as --on-kv-failure says."""
-        self.runtime.worker.submit(SendNotif(st.peer, pr.Abort(st.params.transfer_id)))
+        self.runtime.thread.submit(SendNotif(st.peer, pr.Abort(st.params.transfer_id)))
         if self.config.on_kv_failure is OnKVFailure.RECOMPUTE:
-            self._fallback(request)
-            request.kv_state = None
-            return True
-        self.engine.abort_request(request.request_id, RequestStatus.FINISHED_ERROR,
-                                  "KV transfer from prefill failed: deadline passed before decode capacity was free")
-        return True
+            self._compute_locally(request, st)
+            return Admission.RUN
+        request.error = "KV transfer from prefill failed: deadline passed before decode capacity was free"
+        return Admission.REJECT
 
     def _renew_leases(self) -> None:
         """Requests still waiting for blocks keep P's copy of their KV alive (LeaseRenew)."""
         now = time.time()
-        for request in self.engine.scheduler.waiting:
+        for request in self.requests.values():
             st = request.kv_state
             if isinstance(st, DecodeState) and not st.admitted and now - st.renewed_at > st.lease_s / 3:
                 st.renewed_at, st.lease_until = now, now + st.lease_s
-                self.runtime.worker.submit(SendNotif(st.peer, pr.LeaseRenew(st.params.transfer_id, now + st.lease_s)))
+                self.runtime.thread.submit(SendNotif(st.peer, pr.LeaseRenew(st.params.transfer_id, now + st.lease_s)))
 
     def _from_prefill(self, st: DecodeState) -> bool:
         return st.params.first_token is FirstToken.FROM_PREFILL
 
     def _start_transfer(self, request: Request, st: DecodeState, first: int) -> None:
-        p, bs = st.params, self.engine.block_manager.block_size
-        self.engine.scheduler.park_remote(request)
+        p, bs = st.params, self.hooks.block_size
         st.pending = True
         if p.mode.is_push:
             cmd: Register | Read = Register(p.transfer_id, request.request_id, st.peer, st.transfer_blocks,
@@ -136,13 +128,12 @@ class DecodeConnector(RuntimeConnector):
             deadline = min(st.deadline, st.lease_until or st.deadline)
             cmd = Read(p.transfer_id, request.request_id, st.peer, st.transfer_blocks, remote,
                        request.num_prompt_tokens, deadline, st.lease_until)
-        self.runtime.worker.submit(cmd)
+        self.runtime.thread.submit(cmd)
 
     def _nothing_to_receive(self, request: Request, st: DecodeState) -> None:
         """D's prefix cache holds every block it needs: P may free its copy. The request becomes ready
         through the same event as a finished transfer (so a first token from P is emitted as output)."""
-        self.runtime.worker.submit(SendNotif(st.peer, pr.Release(st.params.transfer_id)))
-        self.engine.scheduler.park_remote(request)
+        self.runtime.thread.submit(SendNotif(st.peer, pr.Release(st.params.transfer_id)))
         self.runtime.post(KVReady(st.params.transfer_id, request.request_id, st.params.first_token_id))
 
     # ---- events --------------------------------------------------------------------------
@@ -151,7 +142,7 @@ class DecodeConnector(RuntimeConnector):
         out: list[Request] = []
         for event in self.runtime.drain_events():
             if isinstance(event, FreeBlocks):
-                self.engine.block_manager.free_blocks(event.block_ids)
+                self.hooks.free_blocks(event.block_ids)
             elif isinstance(event, KVReady):
                 self._ready(event, out)
             elif isinstance(event, KVFailed):
@@ -159,9 +150,10 @@ class DecodeConnector(RuntimeConnector):
         return out
 
     def _request_of(self, transfer_id: str, request_id: str) -> tuple[Request, DecodeState] | None:
-        request = self.engine.scheduler.remote.get(request_id)
+        request = self.requests.get(transfer_id)
         st = request.kv_state if request is not None else None
-        if request is None or not isinstance(st, DecodeState) or st.params.transfer_id != transfer_id:
+        if (request is None or request.request_id != request_id or not isinstance(st, DecodeState)
+                or request.status is not RequestStatus.WAITING_FOR_REMOTE_KV):
             return None  # aborted meanwhile, or not ours: the ledger already made it harmless
         return request, st
 
@@ -174,29 +166,18 @@ class DecodeConnector(RuntimeConnector):
         request.trace.update(event.trace)
         request.trace["d_ready"] = time.time()
         if self.config.faults.corrupt_kv:
-            self.engine.cache.kv[st.transfer_blocks[0]].add_(1.0)  # testing only: wrong KV must change output
+            self.hooks.corrupt_block(st.transfer_blocks[0])
         request.num_computed_tokens = st.need_len
-        scheduler = self.engine.scheduler
         if st.need_len == request.num_prompt_tokens:
             token = event.first_token_id if event.first_token_id is not None else st.params.first_token_id
             if token is None:
                 self._failed(KVFailed(event.transfer_id, event.request_id, "P sent no first token"), out)
                 return
-            self._append_first(request, token)
+            self.hooks.append_token(request, token)
             out.append(request)
             if request.is_finished:
                 return
-        scheduler.resume_remote(request)
-
-    def _append_first(self, request: Request, token: int | None) -> None:
-        assert token is not None
-        request.output_token_ids.append(token)
-        if request.sampling_params.logprobs is not None:  # P's logits stayed on P
-            request.output_logprobs.append(TokenLogprob(token, float("nan"), []))
-        self.engine.on_token(request)
-        status = self.engine.scheduler.check_stop(request)
-        if status is not None:
-            self.engine.scheduler.finish(request, status)
+        self.hooks.resume(request)
 
     def _failed(self, event: KVFailed, out: list[Request]) -> None:
         found = self._request_of(event.transfer_id, event.request_id)
@@ -204,22 +185,22 @@ class DecodeConnector(RuntimeConnector):
             return
         request, st = found
         self._detach(request, st)
-        scheduler = self.engine.scheduler
         if self.config.on_kv_failure is OnKVFailure.RECOMPUTE:
-            self._fallback(request)
-            self.engine.block_manager.free(request)
-            request.kv_state = None
+            self._compute_locally(request, st)
+            self.hooks.free(request)
             request.num_computed_tokens = request.num_cached_tokens = 0
-            scheduler.resume_remote(request)  # front of the queue, computed locally from scratch
+            self.hooks.resume(request)  # front of the queue, computed locally from scratch
             return
         request.error = f"KV transfer from prefill failed: {event.reason}"
-        scheduler.finish(request, RequestStatus.FINISHED_ERROR)
+        self.hooks.finish(request, RequestStatus.FINISHED_ERROR)
         out.append(request)
 
-    def _fallback(self, request: Request) -> None:
-        """Local prefill by policy: counted (/metrics) and stamped (the response's kvpush_trace), never silent."""
+    def _compute_locally(self, request: Request, st: DecodeState) -> None:
+        """--on-kv-failure recompute: the request becomes a plain one."""
         self.fallbacks += 1
-        request.trace["kv_fallback_local"] = time.time()
+        request.trace["kv_fallback_local"] = time.time()  # stamped in the response: never a silent re-prefill
+        self.requests.pop(st.params.transfer_id, None)
+        request.kv_state = None
 
     def stats(self) -> TransferStats:
         stats = super().stats()
@@ -231,13 +212,15 @@ class DecodeConnector(RuntimeConnector):
         st.pending = False
         held = set(st.transfer_blocks)
         request.block_table = [b for b in request.block_table if b not in held]
-        self.engine.block_manager.uncache(list(held))
+        self.hooks.uncache(list(held))
 
     def on_finished(self, request: Request) -> bool:
         st = request.kv_state
+        if isinstance(st, DecodeState):
+            self.requests.pop(st.params.transfer_id, None)
         if isinstance(st, DecodeState) and st.pending:
             self._detach(request, st)
-            self.runtime.worker.submit(Cancel(st.params.transfer_id, f"decode {request.status.value}",
+            self.runtime.thread.submit(Cancel(st.params.transfer_id, f"decode {request.status.value}",
                                               st.params.prefill_engine_id))
         return False
 

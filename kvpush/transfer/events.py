@@ -1,0 +1,34 @@
+"""Events from the transfer thread to the engine thread of one process (a queue, then a wake-up)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class FreeBlocks:
+    """These blocks of ours are no longer held by a transfer: back to the block manager."""
+
+    block_ids: list[int]
+
+
+@dataclass(frozen=True)
+class KVReady:
+    """D: the transfer's KV has fully landed in the request's blocks."""
+
+    transfer_id: str
+    request_id: str
+    first_token_id: int | None
+    trace: tuple[tuple[str, float], ...] = ()  # P's timestamps carried by Done / Commit
+
+
+@dataclass(frozen=True)
+class KVFailed:
+    """D: the transfer failed; its blocks stay quarantined until a FreeBlocks."""
+
+    transfer_id: str
+    request_id: str
+    reason: str
+
+
+Event = FreeBlocks | KVReady | KVFailed
