@@ -69,18 +69,12 @@ class KVCache:
         self.kv[block_ids, layer, 0, offsets] = k
         self.kv[block_ids, layer, 1, offsets] = v
 
-    def gather(self, layer: int, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of one sequence. block_table: [nb] -> k, v: [nb * bs, kvh, hd]."""
-        blocks = self.kv[block_table, layer]  # [nb, 2, bs, kvh, hd]
-        n = blocks.shape[0] * self.layout.block_size
-        shape = (n, self.layout.num_kv_heads, self.layout.head_dim)
-        return blocks[:, 0].reshape(shape), blocks[:, 1].reshape(shape)
+    def gather(self, layer: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the given blocks, contiguous. block_ids: [n] -> k, v: [n * bs, kvh, hd].
 
-    def gather_batch(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Padded K and V of a batch. block_tables: [B, nb] -> k, v: [B, kvh, nb * bs, hd]."""
-        blocks = self.kv[block_tables, layer]  # [B, nb, 2, bs, kvh, hd]
-        b, nb = block_tables.shape
-        shape = (b, nb * self.layout.block_size, self.layout.num_kv_heads, self.layout.head_dim)
-        k = blocks[:, :, 0].reshape(shape).transpose(1, 2)
-        v = blocks[:, :, 1].reshape(shape).transpose(1, 2)
-        return k, v
+        One row copy per block for each of K and V (`kv[:, layer, 0]` keeps each block's rows contiguous).
+        """
+        shape = (-1, self.layout.num_kv_heads, self.layout.head_dim)
+        k = torch.index_select(self.kv[:, layer, 0], 0, block_ids)  # [n, bs, kvh, hd]
+        v = torch.index_select(self.kv[:, layer, 1], 0, block_ids)
+        return k.view(shape), v.view(shape)

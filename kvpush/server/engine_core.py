@@ -129,6 +129,7 @@ class EngineCore:
             prefix_cache_queries=bm.num_queries,
             prefix_cache_hits=bm.num_hits,
             steps=self.engine.step_count,
+            compiled_graphs=self.engine.runner.num_compiled_graphs,
             transfer=self.engine.connector.stats() if self.engine.connector is not None else None,
         )
 
