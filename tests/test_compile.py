@@ -3,40 +3,58 @@ the fallback when inductor cannot build (no C++ compiler)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
 
 import pytest
 import torch
-
-from kvpush.config import CacheConfig, CompileMode, EngineConfig, ModelConfig, SchedulerConfig
-from kvpush.engine.engine import LLMEngine
-from kvpush.engine.sampling_params import SamplingParams
 from test_engine import ATOL, generate, ours_logits, prompts
 
+from kvpush.config import CacheConfig, CompileMode, EngineConfig, ModelConfig, SchedulerConfig
+from kvpush.engine.compiler import COMPILED_MIN_TOKENS
+from kvpush.engine.engine import LLMEngine
+from kvpush.engine.sampling_params import SamplingParams
+
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+LONG = COMPILED_MIN_TOKENS + 10  # prompts long enough that their prefill runs the compiled pieces
 
 
-def engine(model: str, mode: CompileMode, budget: int = 512, block_size: int = 4) -> LLMEngine:
-    return LLMEngine(EngineConfig(ModelConfig(model), CacheConfig(block_size=block_size, num_blocks=128),
-                                  SchedulerConfig(16, budget, True), compile=mode))
+class CountingPieces:
+    """Counts forwards that ran the compiled pieces (so a test knows it exercised them)."""
+
+    def __init__(self, eng: LLMEngine) -> None:
+        pieces = eng.model.compiled_pieces
+        assert pieces is not None
+        self.calls = 0
+        inner = pieces.attention_input
+
+        def counted(*args):
+            self.calls += 1
+            return inner(*args)
+
+        pieces.attention_input = counted
 
 
 @pytest.fixture(scope="module")
 def compiled(tiny_model) -> LLMEngine:
-    eng = engine(tiny_model, CompileMode.ON)
+    eng = LLMEngine(EngineConfig(ModelConfig(tiny_model), CacheConfig(block_size=4, num_blocks=512),
+                                 SchedulerConfig(16, LONG + 40, True), compile=CompileMode.ON))
     assert eng.runner.compiled
     return eng
 
 
 def test_compiled_greedy_equals_eager_and_logits_match(compiled, tiny_model):
-    eager = engine(tiny_model, CompileMode.OFF)
+    eager = LLMEngine(dataclasses.replace(compiled.config, compile=CompileMode.OFF))
     assert not eager.runner.compiled
-    ps = prompts(compiled.arch.vocab_size, (1, 4, 7, 13, 30, 45))
-    assert generate(compiled, ps, GREEDY) == generate(eager, ps, GREEDY)  # batched
-    assert [generate(compiled, [p], GREEDY)[0] for p in ps[:3]] == [generate(eager, [p], GREEDY)[0] for p in ps[:3]]
-    tokens = ps[4]
+    counter = CountingPieces(compiled)
+    # chunked prefills of LONG + 40 tokens next to decode rows of the requests already prefilled
+    ps = prompts(compiled.arch.vocab_size, (1, 7, 30, LONG, 2 * LONG, 45))
+    assert generate(compiled, ps, GREEDY) == generate(eager, ps, GREEDY)
+    assert counter.calls > 0
+    assert [generate(compiled, [p], GREEDY)[0] for p in ps[2:4]] == [generate(eager, [p], GREEDY)[0] for p in ps[2:4]]
+    tokens = ps[4][: LONG + 20]
     diff = (ours_logits(compiled, tokens) - ours_logits(eager, tokens)).abs().max().item()
     assert diff < ATOL, diff
 
@@ -44,12 +62,14 @@ def test_compiled_greedy_equals_eager_and_logits_match(compiled, tiny_model):
 def test_no_recompile_after_warm_up(compiled):
     before = compiled.runner.num_compiled_graphs
     assert before > 0
+    counter = CountingPieces(compiled)
     vocab = compiled.arch.vocab_size
-    generate(compiled, prompts(vocab, (1,)))  # a one-token prompt
-    generate(compiled, prompts(vocab, (5, 9, 17, 2, 33, 64)))  # mixed prefill + decode batches
-    base = prompts(vocab, (24,))[0]
-    generate(compiled, [base, base + [7, 8, 9]])  # prefix-cache hit: a prefill chunk over earlier context
+    generate(compiled, prompts(vocab, (1,)))  # a one-token prompt (eager)
+    generate(compiled, prompts(vocab, (5, LONG, 17, 2, LONG + 33, 3 * LONG)))  # mixed, chunked prefills
+    base = prompts(vocab, (LONG + 4,))[0]
+    generate(compiled, [base, base + list(range(3, 3 + LONG))])  # prefix-cache hit, then context
     generate(compiled, [p[:3] for p in prompts(vocab, (8,) * 12)])  # a wide decode batch
+    assert counter.calls > 0
     assert compiled.runner.num_compiled_graphs == before
 
 
@@ -57,7 +77,7 @@ def test_layer_hook_runs_between_compiled_layers(compiled):
     seen: list[int] = []
     compiled.runner.layer_hook = seen.append
     try:
-        generate(compiled, prompts(compiled.arch.vocab_size, (6,)), SamplingParams(max_tokens=1))
+        generate(compiled, prompts(compiled.arch.vocab_size, (LONG,)), SamplingParams(max_tokens=1))
     finally:
         compiled.runner.layer_hook = None
     assert seen == list(range(compiled.arch.num_layers))
@@ -67,6 +87,7 @@ SCRIPT = """
 import logging, sys
 logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
 from kvpush.config import CacheConfig, CompileMode, EngineConfig, ModelConfig
+from kvpush.engine.compiler import COMPILED_MIN_TOKENS
 from kvpush.engine.engine import LLMEngine
 from kvpush.engine.sampling_params import SamplingParams
 from kvpush.errors import CompileError

@@ -52,14 +52,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warm_up(self) -> None:
-        """Run one batch of every shape class the compiled pieces specialise on (sizes 1 and >1 of the
-        token count, decode batch and block count), then clear the cache they wrote to."""
-        bs, n = self.block_size, self.cache.layout.num_blocks
-        shapes = [[(2, 0, 2)]] + [[(ctx, ctx - 1, 1)] * b for b in (1, 2) for ctx in (1, bs + 1)]
-        for batch in shapes:
-            scheduled = [(self._dummy(tokens, done, n), q) for tokens, done, q in batch]
-            inputs = self.prepare(scheduled)
-            self.model(inputs.input_ids, inputs.positions, inputs.meta, self.cache, inputs.logit_rows)
+        """Compile the compiled pieces now: run one prefill as long as the shortest batch they serve,
+        then clear the cache it wrote to."""
+        tokens = max(self.model.compiled_min_tokens, 2)  # the token count is symbolic from 2 on
+        tokens = min(tokens, self.model.model.rotary.cos.shape[0])
+        inputs = self.prepare([(self._dummy(tokens, 0, self.cache.layout.num_blocks), tokens)])
+        self.model(inputs.input_ids, inputs.positions, inputs.meta, self.cache, inputs.logit_rows)
         self.cache.kv.zero_()
 
     def _dummy(self, num_tokens: int, num_computed: int, num_blocks: int) -> Request:

@@ -6,8 +6,8 @@ loader maps Hugging Face tensor names onto them. Qwen3 adds per-head RMSNorm on 
 A layer runs as three pieces: `attention_input` (norm, q/k/v projection, q/k norm, rotary),
 `paged_attention` (writes K/V to the cache, attends over it) and `attention_output` (o_proj, MLP,
 residuals). The two dense pieces are pure functions of their tensors, so a compiler can turn each
-into one graph shared by every layer (`CausalLM.pieces`); attention and the per-layer hook stay
-eager between them.
+into one graph shared by every layer (`CausalLM.compiled_pieces`, used for batches of at least
+`compiled_min_tokens` tokens); attention and the per-layer hook stay eager between them.
 """
 
 from __future__ import annotations
@@ -109,6 +109,14 @@ class CausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.pieces = Pieces()
+        self.compiled_pieces: Pieces | None = None
+        self.compiled_min_tokens = 0
+
+    def pieces_for(self, num_tokens: int) -> Pieces:
+        """Compiled pieces for batches of at least compiled_min_tokens tokens (if compiled), else eager."""
+        if self.compiled_pieces is not None and num_tokens >= self.compiled_min_tokens:
+            return self.compiled_pieces
+        return self.pieces
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, cache: KVCache, logit_rows: torch.Tensor,
                 layer_hook: Callable[[int], None] | None = None) -> torch.Tensor:
@@ -116,7 +124,7 @@ class CausalLM(nn.Module):
 
         layer_hook(l) runs right after layer l wrote its K/V to the cache (layer-wise push).
         """
-        m, pieces = self.model, self.pieces
+        m, pieces = self.model, self.pieces_for(input_ids.shape[0])
         x = m.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = m.rotary.cos_sin(positions, x.dtype)  # [T, 1, hd]
         for layer in cast(list[DecoderLayer], m.layers):
