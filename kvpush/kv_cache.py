@@ -64,10 +64,18 @@ class KVCache:
     def block_layer_offset(self, block_id: int, layer: int) -> int:
         return block_id * self.layout.block_bytes + layer * self.layout.layer_bytes
 
-    def write(self, layer: int, block_ids: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store new keys and values. block_ids, offsets: [T]; k, v: [T, kvh, hd]."""
-        self.kv[block_ids, layer, 0, offsets] = k
-        self.kv[block_ids, layer, 1, offsets] = v
+    def slot_rows(self, block_ids: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """Rows of the new tokens' K, then V, of layer 0 in the [N * L * 2 * bs, kvh * hd] view of
+        the cache. block_ids, offsets: [T] -> [2T]; layer l's rows are these + l * 2 * bs."""
+        lay = self.layout
+        k_rows = block_ids * (lay.num_layers * 2 * lay.block_size) + offsets
+        return torch.cat([k_rows, k_rows + lay.block_size])
+
+    def write(self, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store new keys and values with one row copy. rows: [2T] from slot_rows; k, v: [T, kvh, hd]."""
+        lay = self.layout
+        flat = self.kv.view(-1, lay.num_kv_heads * lay.head_dim)  # [N * L * 2 * bs, kvh * hd]
+        flat.index_copy_(0, rows + layer * 2 * lay.block_size, torch.cat([k, v]).view(rows.shape[0], -1))
 
     def gather(self, layer: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of the given blocks, contiguous. block_ids: [n] -> k, v: [n * bs, kvh, hd].

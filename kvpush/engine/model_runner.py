@@ -95,8 +95,7 @@ class ModelRunner:
                 rows.append(len(ids) - 1)
                 sampled.append(request)
         flat = torch.tensor([ids, positions, blocks], dtype=torch.long).to(self.device)  # [3, T]
-        offsets = flat[1] % bs
-        meta = AttentionMetadata(slot_blocks=flat[2], slot_offsets=offsets)
+        meta = AttentionMetadata(slot_rows=self.cache.slot_rows(flat[2], flat[1] % bs))
         num_decode = len(ordered) - sum(1 for s in ordered if s[1] > 1)
         if num_decode:
             self._decode_metadata(meta, ordered[:num_decode])

@@ -27,8 +27,7 @@ class PrefillSeq:
 
 @dataclass
 class AttentionMetadata:
-    slot_blocks: torch.Tensor  # [T] block id of each new token
-    slot_offsets: torch.Tensor  # [T] offset in its block
+    slot_rows: torch.Tensor  # [2T] cache rows of the new tokens' K then V in layer 0 (KVCache.slot_rows)
     num_decode: int = 0  # rows [0, num_decode) are decode tokens, one per sequence
     decode_block_ids: torch.Tensor | None = None  # [Bd * nb] each sequence's blocks, padded with block 0
     decode_mask: torch.Tensor | None = None  # [Bd, 1, 1, nb * bs] bool, True = attend
@@ -44,7 +43,7 @@ def paged_attention(
     cache: KVCache,
     scale: float,
 ) -> torch.Tensor:  # [T, H, hd] contiguous
-    cache.write(layer, meta.slot_blocks, meta.slot_offsets, k, v)
+    cache.write(layer, meta.slot_rows, k, v)
     parts = [_decode_batch(q, layer, meta, cache, scale)] if meta.num_decode else []
     parts += [_prefill_one(q, k, v, seq, layer, cache, scale) for seq in meta.prefills]
     return (parts[0] if len(parts) == 1 else torch.cat(parts)).contiguous()
