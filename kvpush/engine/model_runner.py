@@ -56,15 +56,12 @@ class ModelRunner:
         then clear the cache it wrote to."""
         tokens = max(self.model.compiled_min_tokens, 2)  # the token count is symbolic from 2 on
         tokens = min(tokens, self.model.model.rotary.cos.shape[0])
-        inputs = self.prepare([(self._dummy(tokens, 0, self.cache.layout.num_blocks), tokens)])
+        request = Request("warm-up", [0] * tokens, SamplingParams(max_tokens=1))
+        num_blocks = self.cache.layout.num_blocks
+        request.block_table = [i % num_blocks for i in range(-(-tokens // self.block_size))]
+        inputs = self.prepare([(request, tokens)])
         self.model(inputs.input_ids, inputs.positions, inputs.meta, self.cache, inputs.logit_rows)
         self.cache.kv.zero_()
-
-    def _dummy(self, num_tokens: int, num_computed: int, num_blocks: int) -> Request:
-        request = Request("warm-up", [0] * num_tokens, SamplingParams(max_tokens=1))
-        request.block_table = [i % num_blocks for i in range(-(-num_tokens // self.block_size))]
-        request.num_computed_tokens = num_computed
-        return request
 
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Request, int]]) -> dict[str, int]:
@@ -80,7 +77,8 @@ class ModelRunner:
 
     def prepare(self, scheduled: list[tuple[Request, int]]) -> ModelInput:
         bs = self.block_size
-        ordered = [s for s in scheduled if s[1] == 1] + [s for s in scheduled if s[1] > 1]
+        decodes = [s for s in scheduled if s[1] == 1]
+        ordered = decodes + [s for s in scheduled if s[1] > 1]
         ids: list[int] = []
         positions: list[int] = []
         blocks: list[int] = []
@@ -96,10 +94,9 @@ class ModelRunner:
                 sampled.append(request)
         flat = torch.tensor([ids, positions, blocks], dtype=torch.long).to(self.device)  # [3, T]
         meta = AttentionMetadata(slot_rows=self.cache.slot_rows(flat[2], flat[1] % bs))
-        num_decode = len(ordered) - sum(1 for s in ordered if s[1] > 1)
-        if num_decode:
-            self._decode_metadata(meta, ordered[:num_decode])
-        self._prefill_metadata(meta, ordered[num_decode:], num_decode)
+        if decodes:
+            self._decode_metadata(meta, decodes)
+        self._prefill_metadata(meta, ordered[len(decodes):], len(decodes))
         logit_rows = torch.tensor(rows, dtype=torch.long, device=self.device)
         return ModelInput(flat[0], flat[1], meta, logit_rows, sampled)
 
