@@ -37,12 +37,16 @@ class CountingPieces:
         pieces.attention_input = counted
 
 
-@pytest.fixture(scope="module")
-def compiled(tiny_model) -> LLMEngine:
-    eng = LLMEngine(EngineConfig(ModelConfig(tiny_model), CacheConfig(block_size=4, num_blocks=512),
+def compiled_engine(model: str) -> LLMEngine:
+    eng = LLMEngine(EngineConfig(ModelConfig(model), CacheConfig(block_size=4, num_blocks=512),
                                  SchedulerConfig(16, LONG + 40, True), compile=CompileMode.ON))
     assert eng.runner.compiled
     return eng
+
+
+@pytest.fixture(scope="module")
+def compiled(tiny_model) -> LLMEngine:
+    return compiled_engine(tiny_model)
 
 
 def test_compiled_greedy_equals_eager_and_logits_match(compiled, tiny_model):
@@ -59,7 +63,8 @@ def test_compiled_greedy_equals_eager_and_logits_match(compiled, tiny_model):
     assert diff < ATOL, diff
 
 
-def test_no_recompile_after_warm_up(compiled):
+def test_no_recompile_after_warm_up(tiny_model):
+    compiled = compiled_engine(tiny_model)  # a fresh engine: nothing ran on it since its warm-up
     before = compiled.runner.num_compiled_graphs
     assert before > 0
     counter = CountingPieces(compiled)
@@ -127,3 +132,21 @@ def test_compiled_on_cuda_equals_eager(tiny_model):
                                      compile=mode))
         return generate(eng, prompts(eng.arch.vocab_size))
     assert run(CompileMode.ON) == run(CompileMode.OFF)
+
+
+def test_compiled_server_does_not_recompile(server_factory, tiny_model):
+    """`serve --compile on`: the kvpush_compiled_graphs metric is set at start and stays flat."""
+    from kvpush_testing import post
+    from test_server import metrics
+
+    server = server_factory(tiny_model, "--compile", "on", "--block-size", "4", "--num-blocks", "512",
+                            timeout_s=300)
+    before = metrics(server.url)["kvpush_compiled_graphs"]
+    assert before > 0
+    vocab = 1000
+    for lengths in ((LONG,), (3, LONG + 57), (2 * LONG + 5, 9, 1)):
+        for p in prompts(vocab, lengths):
+            status, body = post(server.url + "/v1/completions",
+                                {"model": tiny_model, "prompt": p, "max_tokens": 4, "temperature": 0})
+            assert status == 200, body
+    assert metrics(server.url)["kvpush_compiled_graphs"] == before

@@ -1,7 +1,7 @@
 """torch.compile of the model's pieces with inductor, and the warm-up that compiles them up front.
 
 The compiled pieces (`attention_input`, `attention_output`, see models/decoder.py) have the token
-count as a symbolic size (`dynamic=True`), so one graph per piece serves every batch of at least
+count as a symbolic size (dim 0 of their tensor arguments), so one graph per piece serves every batch of at least
 COMPILED_MIN_TOKENS tokens. Paged attention stays eager between them (its gather + SDPA beat an
 inductor-generated decode kernel here). The warm-up runs one such batch, so a running server does
 not compile again: `num_graphs` counts graphs compiled in this process (an engine stat and a metric).
@@ -45,7 +45,16 @@ def _counting_inductor(gm: torch.fx.GraphModule, example_inputs: list) -> Callab
 
 
 def _compile(fn: Callable) -> Callable:
-    return torch.compile(fn, backend=_counting_inductor, dynamic=True)
+    """fn(layer, *tensors) compiled with the token count (dim 0 of every tensor) symbolic and every
+    other size, weights' included, static."""
+    compiled = torch.compile(fn, backend=_counting_inductor, dynamic=None)
+
+    def run(layer, *tensors: torch.Tensor):
+        for t in tensors:
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+        return compiled(layer, *tensors)
+
+    return run
 
 
 def compile_model(model: CausalLM, mode: CompileMode, warm_up: Callable[[], None]) -> bool:
@@ -61,6 +70,9 @@ def compile_model(model: CausalLM, mode: CompileMode, warm_up: Callable[[], None
 
     torch._inductor.config.compile_threads = 1  # compile in this process, on the one core it has
     torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT
+    # Without this the warm-up's token count would be unified with any weight dimension of the same
+    # size (duck shaping) and the graph specialised to it: every other count would recompile.
+    torch.fx.experimental._config.use_duck_shape = False
     model.compiled_pieces = Pieces(_compile(attention_input), _compile(attention_output))
     model.compiled_min_tokens = COMPILED_MIN_TOKENS
     try:
