@@ -1,10 +1,11 @@
 """Single-instance engine throughput vs Hugging Face transformers, one torch thread.
 
-    python benchmarks/engine_throughput.py [--model DIR] [--repeats 3]
+    python benchmarks/engine_throughput.py [--model DIR] [--repeats 3] [--compile on,off]
 
 Prefill tokens/s for 512- and 2048-token prompts, decode tokens/s at batch 1 and 16, for the
-kvpush engine and for transformers (`forward` for prefill, `generate` for decode) on the same
-checkpoint (the bench preset, made if missing). Medians over repeats, measured side by side.
+kvpush engine (eager and torch.compile'd, `--compile`) and for transformers (`forward` for prefill,
+`generate` for decode) on the same checkpoint (the bench preset, made if missing). Medians over
+repeats; each repeat runs every engine once, alternating, so load on the machine hits all alike.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import time
 
 import torch
 
-from kvpush.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from kvpush.config import CacheConfig, CompileMode, EngineConfig, ModelConfig, SchedulerConfig
 from kvpush.engine.engine import LLMEngine
 from kvpush.engine.sampling_params import SamplingParams
 
@@ -77,31 +78,46 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--decode-steps", type=int, default=32)
+    ap.add_argument("--compile", default="off,on", help="kvpush engines to measure: comma-separated on|off|auto")
     args = ap.parse_args()
     torch.set_num_threads(1)
     path = ensure_model(args.model)
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    eng = LLMEngine(EngineConfig(ModelConfig(path), CacheConfig(num_blocks=2048, enable_prefix_caching=False),
-                                 SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=4096)))
-    vocab = eng.arch.vocab_size
+    engines = {}
+    for mode in args.compile.split(","):
+        t = time.perf_counter()
+        engines[mode] = LLMEngine(EngineConfig(
+            ModelConfig(path), CacheConfig(num_blocks=2048, enable_prefix_caching=False),
+            SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=4096), compile=CompileMode(mode)))
+        print(f"kvpush compile={mode}: engine ready in {time.perf_counter() - t:.1f} s "
+              f"(compiled: {engines[mode].runner.compiled})")
+    vocab = hf.config.vocab_size
+    workloads = [(f"prefill {n} tokens", lambda e, s, n=n: kv_prefill(e, n, s), lambda s, n=n: hf_prefill(hf, n, s, vocab))
+                 for n in (512, 2048)]
+    workloads += [(f"decode batch {b}", lambda e, s, b=b: kv_decode(e, b, args.decode_steps, s),
+                   lambda s, b=b: hf_decode(hf, b, args.decode_steps, s, vocab)) for b in (1, 16)]
     rows = []
-    for n in (512, 2048):
-        ours = [kv_prefill(eng, n, s) for s in range(args.repeats)]
-        theirs = [hf_prefill(hf, n, s, vocab) for s in range(args.repeats)]
-        rows.append((f"prefill {n} tokens", statistics.median(ours), statistics.median(theirs)))
-    for batch in (1, 16):
-        ours = [kv_decode(eng, batch, args.decode_steps, s) for s in range(args.repeats)]
-        theirs = [hf_decode(hf, batch, args.decode_steps, s, vocab) for s in range(args.repeats)]
-        rows.append((f"decode batch {batch}", statistics.median(ours), statistics.median(theirs)))
-    hf_b1 = rows[2][2]
+    for name, ours, theirs in workloads:
+        samples: dict[str, list[float]] = {mode: [] for mode in [*engines, "hf"]}
+        for s in range(args.repeats):
+            for mode, eng in engines.items():
+                samples[mode].append(ours(eng, s))
+            samples["hf"].append(theirs(s))
+        rows.append((name, {k: statistics.median(v) for k, v in samples.items()}))
     print(f"\nmodel {path}, torch threads 1, medians of {args.repeats}\n")
-    print("| workload | kvpush tok/s | transformers tok/s | kvpush / transformers |")
-    print("|---|---|---|---|")
-    for name, ours_v, theirs_v in rows:
-        print(f"| {name} | {ours_v:,.0f} | {theirs_v:,.0f} | {ours_v / theirs_v:.2f} |")
-    print(f"\nkvpush decode batch 16 / transformers decode batch 1: {rows[3][1] / hf_b1:.1f}x (target >= 3x)")
+    modes = list(engines)
+    print("| workload | " + " | ".join(f"kvpush compile={m} tok/s" for m in modes) + " | transformers tok/s | "
+          + " | ".join(f"compile={m} / transformers" for m in modes) + " |")
+    print("|---" * (2 + 2 * len(modes)) + "|")
+    for name, med in rows:
+        print(f"| {name} | " + " | ".join(f"{med[m]:,.0f}" for m in modes) + f" | {med['hf']:,.0f} | "
+              + " | ".join(f"{med[m] / med['hf']:.2f}" for m in modes) + " |")
+    b16, hf_b1 = rows[3][1], rows[2][1]["hf"]
+    for m in modes:
+        print(f"\nkvpush compile={m}: decode batch 16 / transformers batch 16: {b16[m] / b16['hf']:.2f}x (target >= 2x); "
+              f"/ transformers batch 1: {b16[m] / hf_b1:.1f}x")
 
 
 if __name__ == "__main__":

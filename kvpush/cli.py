@@ -11,6 +11,7 @@ from dataclasses import fields
 
 from kvpush.config import (
     CacheConfig,
+    CompileMode,
     EngineConfig,
     Faults,
     FirstToken,
@@ -22,6 +23,7 @@ from kvpush.config import (
     SchedulerConfig,
     ServerConfig,
     TransferConfig,
+    compile_mode_default,
     torch_threads_default,
 )
 from kvpush.errors import KVPushError
@@ -49,6 +51,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-chunked-prefill", action="store_true")
     g.add_argument("--torch-threads", type=int, default=torch_threads_default())
     g.add_argument("--seed", type=int, default=_default(EngineConfig, "seed"))
+    g.add_argument("--compile", default=compile_mode_default().value, choices=[m.value for m in CompileMode],
+                   help="torch.compile the model: auto (if inductor can build here), on (or fail), off")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -62,6 +66,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, not args.no_chunked_prefill),
         torch_threads=args.torch_threads,
         seed=args.seed,
+        compile=CompileMode(args.compile),
     )
 
 

@@ -38,6 +38,20 @@ class OnKVFailure(StrEnum):
     ERROR = "error"
 
 
+class CompileMode(StrEnum):
+    """torch.compile of the model: `auto` compiles where inductor can build and otherwise serves
+    eagerly (one log line), `on` fails if it cannot, `off` never compiles."""
+
+    AUTO = "auto"
+    ON = "on"
+    OFF = "off"
+
+
+def compile_mode_default() -> CompileMode:
+    """`auto`, unless KVPUSH_COMPILE says otherwise (the test suite sets `off`)."""
+    return CompileMode(os.environ.get("KVPUSH_COMPILE", CompileMode.AUTO.value))
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     model: str
@@ -68,6 +82,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     torch_threads: int = 1
     seed: int = 0
+    compile: CompileMode = field(default_factory=compile_mode_default)
 
 
 @dataclass(frozen=True)
@@ -198,3 +213,11 @@ def default_model_dir() -> str:
 def torch_threads_default() -> int:
     value = os.environ.get("KVPUSH_TORCH_THREADS")
     return int(value) if value else 1
+
+
+def apply_compile_environment() -> None:
+    """Keep inductor's compiled artefacts (FX graph and kernel caches) across runs in a user cache
+    directory, unless TORCHINDUCTOR_CACHE_DIR already names one. Call before the first compile."""
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(base, "kvpush", "inductor")

@@ -19,6 +19,10 @@ class ModelLoadError(KVPushError):
     """A checkpoint cannot be loaded: a missing file, an unsupported architecture or dtype."""
 
 
+class CompileError(KVPushError):
+    """`--compile on` and the model cannot be compiled here (no C++ compiler, inductor failure)."""
+
+
 class QueueFullError(KVPushError):
     """The waiting queue is full; the server answers HTTP 503."""
 

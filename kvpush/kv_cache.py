@@ -64,23 +64,25 @@ class KVCache:
     def block_layer_offset(self, block_id: int, layer: int) -> int:
         return block_id * self.layout.block_bytes + layer * self.layout.layer_bytes
 
-    def write(self, layer: int, block_ids: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store new keys and values. block_ids, offsets: [T]; k, v: [T, kvh, hd]."""
-        self.kv[block_ids, layer, 0, offsets] = k
-        self.kv[block_ids, layer, 1, offsets] = v
+    def slot_rows(self, block_ids: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """Rows of the new tokens' K, then V, of layer 0 in the [N * L * 2 * bs, kvh * hd] view of
+        the cache. block_ids, offsets: [T] -> [2T]; layer l's rows are these + l * 2 * bs."""
+        lay = self.layout
+        k_rows = block_ids * (lay.num_layers * 2 * lay.block_size) + offsets
+        return torch.cat([k_rows, k_rows + lay.block_size])
 
-    def gather(self, layer: int, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of one sequence. block_table: [nb] -> k, v: [nb * bs, kvh, hd]."""
-        blocks = self.kv[block_table, layer]  # [nb, 2, bs, kvh, hd]
-        n = blocks.shape[0] * self.layout.block_size
-        shape = (n, self.layout.num_kv_heads, self.layout.head_dim)
-        return blocks[:, 0].reshape(shape), blocks[:, 1].reshape(shape)
+    def write(self, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store new keys and values with one row copy. rows: [2T] from slot_rows; k, v: [T, kvh, hd]."""
+        lay = self.layout
+        flat = self.kv.view(-1, lay.num_kv_heads * lay.head_dim)  # [N * L * 2 * bs, kvh * hd]
+        flat.index_copy_(0, rows + layer * 2 * lay.block_size, torch.cat([k, v]).view(rows.shape[0], -1))
 
-    def gather_batch(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Padded K and V of a batch. block_tables: [B, nb] -> k, v: [B, kvh, nb * bs, hd]."""
-        blocks = self.kv[block_tables, layer]  # [B, nb, 2, bs, kvh, hd]
-        b, nb = block_tables.shape
-        shape = (b, nb * self.layout.block_size, self.layout.num_kv_heads, self.layout.head_dim)
-        k = blocks[:, :, 0].reshape(shape).transpose(1, 2)
-        v = blocks[:, :, 1].reshape(shape).transpose(1, 2)
-        return k, v
+    def gather(self, layer: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the given blocks, contiguous. block_ids: [n] -> k, v: [n * bs, kvh, hd].
+
+        One row copy per block for each of K and V (`kv[:, layer, 0]` keeps each block's rows contiguous).
+        """
+        shape = (-1, self.layout.num_kv_heads, self.layout.head_dim)
+        k = torch.index_select(self.kv[:, layer, 0], 0, block_ids)  # [n, bs, kvh, hd]
+        v = torch.index_select(self.kv[:, layer, 1], 0, block_ids)
+        return k.view(shape), v.view(shape)

@@ -12,7 +12,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 
-from kvpush.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from kvpush.config import CacheConfig, CompileMode, EngineConfig, ModelConfig, SchedulerConfig
 from kvpush.engine.engine import LLMEngine
 from kvpush.engine.request import RequestStatus, TokenLogprob
 from kvpush.engine.sampling_params import SamplingParams
@@ -43,6 +43,8 @@ def build_engine_config(model: str, **kwargs) -> EngineConfig:
             groups[owner][key] = value
         elif key in ("torch_threads", "seed"):
             top[key] = value
+        elif key == "compile":
+            top[key] = CompileMode(value)
         else:
             raise TypeError(f"unknown engine option {key!r}")
     return EngineConfig(

@@ -9,6 +9,7 @@ import torch
 
 torch.set_num_threads(1)
 os.environ.setdefault("KVPUSH_TORCH_THREADS", "1")
+os.environ.setdefault("KVPUSH_COMPILE", "off")  # compiled only where a test asks for it
 
 
 def pytest_addoption(parser) -> None:

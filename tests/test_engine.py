@@ -49,9 +49,10 @@ def ours_logits(eng: LLMEngine, tokens: list[int]) -> torch.Tensor:
     """Logits of every position from one prefill over the paged cache. -> [n, vocab]"""
     req = eng.make_request("logits", tokens, SamplingParams(max_tokens=1))
     assert eng.block_manager.allocate(req, len(tokens))
-    ids, pos, meta, _ = eng.runner.prepare([(req, len(tokens))])
+    batch = eng.runner.prepare([(req, len(tokens))])
     with torch.inference_mode():
-        out = eng.model(ids, pos, meta, eng.cache, torch.arange(len(tokens), device=eng.device))
+        out = eng.model(batch.input_ids, batch.positions, batch.meta, eng.cache,
+                        torch.arange(len(tokens), device=eng.device))
     eng.block_manager.free(req)
     return out.cpu()
 

@@ -59,7 +59,7 @@ class LLMEngine:
         self.block_manager = BlockManager(self.layout.num_blocks, self.layout.block_size,
                                           config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
-        self.runner = ModelRunner(self.model, self.cache, self.device, config.seed)
+        self.runner = ModelRunner(self.model, self.cache, self.device, config.seed, config.compile)
         self.eos_token_ids = set(self.arch.eos_token_ids) | _generation_eos(config.model.model)
         self.finished: list[EngineOutput] = []
         self.step_count = 0

@@ -1,30 +1,67 @@
 """Turns a scheduled batch into tensors, runs the model over the paged cache, samples.
 
 Owns the model weights and the KV cache of the instance. Called only from the engine step loop.
+The flat token batch is ordered decode-first (single-token queries, then prefill chunks), which is
+the layout `paged_attention` expects; outputs are keyed by request id, so the order is internal.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
+from kvpush.config import CompileMode
+from kvpush.engine import compiler
 from kvpush.engine.request import Request
+from kvpush.engine.sampling_params import SamplingParams
 from kvpush.kv_cache import KVCache
-from kvpush.layers.attention import AttentionMetadata
+from kvpush.layers.attention import AttentionMetadata, PrefillSeq
+from kvpush.layers.linear import pack_linears
 from kvpush.layers.sampler import sample
 from kvpush.models.decoder import CausalLM
 
 
+@dataclass
+class ModelInput:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    meta: AttentionMetadata
+    logit_rows: torch.Tensor  # [S] rows whose logits are sampled
+    sampled: list[Request]  # the request of each logit row
+
+
 class ModelRunner:
-    def __init__(self, model: CausalLM, cache: KVCache, device: torch.device, seed: int = 0) -> None:
+    def __init__(self, model: CausalLM, cache: KVCache, device: torch.device, seed: int = 0,
+                 compile_mode: CompileMode = CompileMode.OFF) -> None:
         self.model = model
+        self.num_packed_linears = pack_linears(model)
         self.cache = cache
         self.device = device
         self.block_size = cache.layout.block_size
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
-        # Called after each layer of the next forward (set per step by a layer-wise KV connector).
+        # Called after each layer of the next forward wrote its K/V (set per step by a layer-wise KV connector).
         self.layer_hook: Callable[[int], None] | None = None
+        self.compiled = compiler.compile_model(model, compile_mode, self.warm_up)
+
+    @property
+    def num_compiled_graphs(self) -> int:
+        """Graphs torch.compile built in this process (flat after warm-up: no recompiles)."""
+        return compiler.num_graphs()
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Compile the compiled pieces now: run one prefill as long as the shortest batch they serve,
+        then clear the cache it wrote to."""
+        tokens = max(self.model.compiled_min_tokens, 2)  # the token count is symbolic from 2 on
+        tokens = min(tokens, self.model.model.rotary.cos.shape[0])
+        request = Request("warm-up", [0] * tokens, SamplingParams(max_tokens=1))
+        num_blocks = self.cache.layout.num_blocks
+        request.block_table = [i % num_blocks for i in range(-(-tokens // self.block_size))]
+        inputs = self.prepare([(request, tokens)])
+        self.model(inputs.input_ids, inputs.positions, inputs.meta, self.cache, inputs.logit_rows)
+        self.cache.kv.zero_()
 
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Request, int]]) -> dict[str, int]:
@@ -32,62 +69,57 @@ class ModelRunner:
 
         Returns request id -> sampled token for those requests (partial prefill chunks sample nothing).
         """
-        ids, positions, meta, finishing = self.prepare(scheduled)
-        rows = torch.tensor([meta.query_starts[i] + meta.query_lens[i] - 1 for i in finishing], device=self.device)
-        if not finishing:
-            rows = rows.long()  # nothing to sample, but the KV still has to be written
-        logits = self.model(ids, positions, meta, self.cache, rows, self.layer_hook)  # [S, vocab]
-        requests = [scheduled[i][0] for i in finishing]
-        tokens = sample(logits.cpu(), requests, self.generator)
-        return {r.request_id: t for r, t in zip(requests, tokens, strict=True)}
+        batch = self.prepare(scheduled)
+        logits = self.model(batch.input_ids, batch.positions, batch.meta, self.cache, batch.logit_rows,
+                            self.layer_hook)  # [S, vocab]
+        tokens = sample(logits.cpu(), batch.sampled, self.generator)
+        return {r.request_id: t for r, t in zip(batch.sampled, tokens, strict=True)}
 
-    def prepare(self, scheduled: list[tuple[Request, int]]):
+    def prepare(self, scheduled: list[tuple[Request, int]]) -> ModelInput:
+        bs = self.block_size
+        decodes = [s for s in scheduled if s[1] == 1]
+        ordered = decodes + [s for s in scheduled if s[1] > 1]
         ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
-        qlens, ctxs, starts, tables, finishing = [], [], [], [], []
-        for i, (request, n) in enumerate(scheduled):
-            start = request.num_computed_tokens
-            starts.append(len(ids))
+        blocks: list[int] = []
+        rows: list[int] = []
+        sampled: list[Request] = []
+        for request, n in ordered:
+            start, table = request.num_computed_tokens, request.block_table
             ids.extend(request.token_ids_slice(start, start + n))
             positions.extend(range(start, start + n))
-            slots.extend(self._slot(request.block_table, p) for p in range(start, start + n))
-            qlens.append(n)
-            ctxs.append(start + n)
-            tables.append(request.block_table)
+            blocks.extend(table[p // bs] for p in range(start, start + n))
             if start + n == request.num_tokens:
-                finishing.append(i)
-        meta = self._metadata(slots, qlens, ctxs, starts, tables)
+                rows.append(len(ids) - 1)
+                sampled.append(request)
+        flat = torch.tensor([ids, positions, blocks], dtype=torch.long).to(self.device)  # [3, T]
+        meta = AttentionMetadata(slot_rows=self.cache.slot_rows(flat[2], flat[1] % bs))
+        if decodes:
+            self._decode_metadata(meta, decodes)
+        self._prefill_metadata(meta, ordered[len(decodes):], len(decodes))
+        logit_rows = torch.tensor(rows, dtype=torch.long, device=self.device)
+        return ModelInput(flat[0], flat[1], meta, logit_rows, sampled)
+
+    def _decode_metadata(self, meta: AttentionMetadata, decodes: list[tuple[Request, int]]) -> None:
+        bs = self.block_size
+        lens = [r.num_computed_tokens + 1 for r, _ in decodes]
+        nb = -(-max(lens) // bs)
+        block_ids: list[int] = []
+        for (request, _), n in zip(decodes, lens, strict=True):
+            used = -(-n // bs)
+            block_ids.extend(request.block_table[:used])
+            block_ids.extend([0] * (nb - used))
         dev = self.device
-        return torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), meta, finishing
-
-    def _slot(self, block_table: list[int], position: int) -> int:
-        return block_table[position // self.block_size] * self.block_size + position % self.block_size
-
-    def _metadata(self, slots, qlens, ctxs, starts, tables) -> AttentionMetadata:
-        dev, bs = self.device, self.block_size
-        slot_t = torch.tensor(slots, dtype=torch.long, device=dev)
-        decode = [i for i, q in enumerate(qlens) if q == 1]
-        meta = AttentionMetadata(
-            slot_blocks=slot_t // bs,
-            slot_offsets=slot_t % bs,
-            query_lens=qlens,
-            context_lens=ctxs,
-            block_tables=[torch.tensor(t[: -(-c // bs)], device=dev) for t, c in zip(tables, ctxs, strict=True)],
-            prefill_seqs=[i for i, q in enumerate(qlens) if q > 1],
-            decode_seqs=decode,
-            query_starts=starts,
-        )
-        if decode:
-            self._decode_metadata(meta, decode, tables, ctxs)
-        return meta
-
-    def _decode_metadata(self, meta: AttentionMetadata, decode: list[int], tables, ctxs) -> None:
-        dev, bs = self.device, self.block_size
-        nb = max(-(-ctxs[i] // bs) for i in decode)
-        padded = [tables[i][:nb] + [0] * (nb - min(len(tables[i]), nb)) for i in decode]
-        lens = torch.tensor([ctxs[i] for i in decode], device=dev)
-        meta.decode_rows = torch.tensor([meta.query_starts[i] for i in decode], device=dev)
-        meta.decode_block_tables = torch.tensor(padded, device=dev)  # [Bd, nb]
-        mask = torch.arange(nb * bs, device=dev).unsqueeze(0) < lens.unsqueeze(1)  # [Bd, S]
+        meta.num_decode = len(decodes)
+        meta.decode_block_ids = torch.tensor(block_ids, dtype=torch.long, device=dev)  # [Bd * nb]
+        lens_t = torch.tensor(lens, device=dev)
+        mask = torch.arange(nb * bs, device=dev).unsqueeze(0) < lens_t.unsqueeze(1)  # [Bd, nb * bs]
         meta.decode_mask = mask[:, None, None, :]
+
+    def _prefill_metadata(self, meta: AttentionMetadata, prefills: list[tuple[Request, int]], row: int) -> None:
+        bs = self.block_size
+        for request, n in prefills:
+            ctx = request.num_computed_tokens + n
+            table = torch.tensor(request.block_table[: -(-ctx // bs)], dtype=torch.long, device=self.device)
+            meta.prefills.append(PrefillSeq(row, n, ctx, table))
+            row += n

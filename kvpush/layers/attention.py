@@ -1,13 +1,15 @@
 """Attention over the paged KV cache.
 
-Per layer: new K/V are written to their slots, then each sequence attends over its context
-gathered from `kv[block_table, layer]`. Sequences whose query is a single token (decode) are
-batched into one padded SDPA call; longer queries (prefill chunks) run one sequence at a time.
+Per layer: new K/V are written to their slots, then each sequence attends over its context in
+`kv[block_table, layer]`. The batch is ordered decode-first: rows [0, num_decode) are the single-token
+queries of decoding sequences, batched into one padded SDPA call over their blocks (gathered with one
+contiguous-row copy per K and V). Longer queries (prefill chunks) follow, one SDPA call each; a chunk
+with no earlier context attends over its fresh K/V without touching the cache.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -16,18 +18,20 @@ from kvpush.kv_cache import KVCache
 
 
 @dataclass
+class PrefillSeq:
+    start: int  # first row of the chunk in the flat token batch
+    query_len: int
+    context_len: int  # including the chunk's own tokens
+    block_table: torch.Tensor  # [ceil(context_len / bs)]
+
+
+@dataclass
 class AttentionMetadata:
-    slot_blocks: torch.Tensor  # [T] block id of each new token
-    slot_offsets: torch.Tensor  # [T] offset in its block
-    query_lens: list[int]  # per sequence
-    context_lens: list[int]  # per sequence, including the new tokens
-    block_tables: list[torch.Tensor]  # per sequence, [nb]
-    prefill_seqs: list[int]  # indices of sequences with query_len > 1
-    decode_seqs: list[int]  # indices of sequences with query_len == 1
-    query_starts: list[int]  # start row of each sequence in the flat token batch
-    decode_rows: torch.Tensor | None = None  # [Bd] rows of decode tokens
-    decode_block_tables: torch.Tensor | None = None  # [Bd, nb_max]
-    decode_mask: torch.Tensor | None = None  # [Bd, 1, 1, nb_max * bs] bool, True = attend
+    slot_rows: torch.Tensor  # [2T] cache rows of the new tokens' K then V in layer 0 (KVCache.slot_rows)
+    num_decode: int = 0  # rows [0, num_decode) are decode tokens, one per sequence
+    decode_block_ids: torch.Tensor | None = None  # [Bd * nb] each sequence's blocks, padded with block 0
+    decode_mask: torch.Tensor | None = None  # [Bd, 1, 1, nb * bs] bool, True = attend
+    prefills: list[PrefillSeq] = field(default_factory=list)
 
 
 def paged_attention(
@@ -38,32 +42,28 @@ def paged_attention(
     meta: AttentionMetadata,
     cache: KVCache,
     scale: float,
-) -> torch.Tensor:  # [T, H, hd]
-    cache.write(layer, meta.slot_blocks, meta.slot_offsets, k, v)
-    out = torch.empty_like(q)
-    for i in meta.prefill_seqs:
-        _prefill_one(q, k, v, out, i, layer, meta, cache, scale)
-    if meta.decode_seqs:
-        _decode_batch(q, out, layer, meta, cache, scale)
-    return out
+) -> torch.Tensor:  # [T, H, hd] contiguous
+    cache.write(layer, meta.slot_rows, k, v)
+    parts = [_decode_batch(q, layer, meta, cache, scale)] if meta.num_decode else []
+    parts += [_prefill_one(q, k, v, seq, layer, cache, scale) for seq in meta.prefills]
+    return (parts[0] if len(parts) == 1 else torch.cat(parts)).contiguous()
 
 
-def _prefill_one(q, k, v, out, i: int, layer: int, meta: AttentionMetadata, cache: KVCache, scale: float) -> None:
-    start, qlen, ctx = meta.query_starts[i], meta.query_lens[i], meta.context_lens[i]
-    qi = q[start : start + qlen].transpose(0, 1).unsqueeze(0)  # [1, H, q, hd]
-    if ctx == qlen:  # no earlier context: attend over the fresh K/V directly
-        ki, vi = k[start : start + qlen], v[start : start + qlen]
-        mask = None
+def _prefill_one(q, k, v, seq: PrefillSeq, layer: int, cache: KVCache, scale: float) -> torch.Tensor:
+    """-> [query_len, H, hd]"""
+    rows = slice(seq.start, seq.start + seq.query_len)
+    qi = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, q, hd]
+    if seq.context_len == seq.query_len:  # no earlier context: attend over the fresh K/V directly
+        ki, vi, mask = k[rows], v[rows], None
     else:
-        ki, vi = cache.gather(layer, meta.block_tables[i])
-        ki, vi = ki[:ctx], vi[:ctx]
-        mask = _chunk_mask(qlen, ctx, q.device)
+        ki, vi = cache.gather(layer, seq.block_table)  # [nb * bs, kvh, hd]
+        ki, vi = ki[: seq.context_len], vi[: seq.context_len]
+        mask = _chunk_mask(seq.query_len, seq.context_len, q.device)
     ki = ki.transpose(0, 1).unsqueeze(0)  # [1, kvh, ctx, hd]
     vi = vi.transpose(0, 1).unsqueeze(0)
-    o = F.scaled_dot_product_attention(
-        qi, ki, vi, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
-    )
-    out[start : start + qlen] = o.squeeze(0).transpose(0, 1)
+    o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                       enable_gqa=True)
+    return o.squeeze(0).transpose(0, 1)
 
 
 def _chunk_mask(qlen: int, ctx: int, device: torch.device) -> torch.Tensor:
@@ -73,9 +73,14 @@ def _chunk_mask(qlen: int, ctx: int, device: torch.device) -> torch.Tensor:
     return cols <= rows
 
 
-def _decode_batch(q, out, layer: int, meta: AttentionMetadata, cache: KVCache, scale: float) -> None:
-    assert meta.decode_rows is not None and meta.decode_block_tables is not None
-    qd = q[meta.decode_rows].unsqueeze(2)  # [Bd, H, 1, hd]
-    kd, vd = cache.gather_batch(layer, meta.decode_block_tables)  # [Bd, kvh, S, hd]
+def _decode_batch(q, layer: int, meta: AttentionMetadata, cache: KVCache, scale: float) -> torch.Tensor:
+    """-> [Bd, H, hd]"""
+    assert meta.decode_block_ids is not None
+    n = meta.num_decode
+    k, v = cache.gather(layer, meta.decode_block_ids)  # [Bd * nb * bs, kvh, hd]
+    kd = k.view(n, -1, k.shape[1], k.shape[2]).transpose(1, 2)  # [Bd, kvh, nb * bs, hd]
+    vd = v.view(n, -1, v.shape[1], v.shape[2]).transpose(1, 2)
+    qd = q[:n].unsqueeze(2)  # [Bd, H, 1, hd]
     o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True)
-    out[meta.decode_rows] = o.squeeze(2)
+    return o.squeeze(2)
+

@@ -9,6 +9,8 @@ from kvpush.engine.request import Request, TokenLogprob
 
 def sample(logits: torch.Tensor, requests: list[Request], fallback: torch.Generator) -> list[int]:
     """logits: [S, vocab] fp32, one row per request. Appends logprobs where asked. Returns token ids."""
+    if all(_plain_greedy(r) for r in requests):
+        return logits.argmax(dim=-1).tolist()
     suppress_stop_tokens(logits, requests)
     tokens: list[int] = []
     for row, request in zip(logits, requests, strict=True):
@@ -21,6 +23,13 @@ def sample(logits: torch.Tensor, requests: list[Request], fallback: torch.Genera
         if params.logprobs is not None:
             request.output_logprobs.append(_logprobs(row, token, params.logprobs))
     return tokens
+
+
+def _plain_greedy(request: Request) -> bool:
+    """Greedy with nothing to record or suppress: the whole batch is one argmax."""
+    params = request.sampling_params
+    return (params.greedy and params.logprobs is None
+            and not (request.num_output_tokens < params.min_tokens and params.stop_token_ids))
 
 
 def suppress_stop_tokens(logits: torch.Tensor, requests: list[Request]) -> None:

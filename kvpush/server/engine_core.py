@@ -135,6 +135,7 @@ class EngineCore:
             prefix_cache_queries=bm.num_queries,
             prefix_cache_hits=bm.num_hits,
             steps=self.engine.step_count,
+            compiled_graphs=self.engine.runner.num_compiled_graphs,
             transfer=self.connector.stats() if self.connector is not None else None,
         )
 

@@ -58,6 +58,7 @@ class EngineStats(msgspec.Struct):
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     steps: int = 0
+    compiled_graphs: int = 0
     transfer: TransferStats | None = None
 
 

@@ -136,6 +136,8 @@ class ServerMetrics:
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("kvpush_e2e_request_latency_seconds", "End-to-end request latency",
                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.compiled_graphs = Gauge("kvpush_compiled_graphs", "Graphs torch.compile built in the engine process "
+                                     "(flat after start-up: a rise is a recompile)", registry=r)
         self.transfer = TransferCollector()
         r.register(self.transfer)
         r.register(VllmNames(self, model_name))
@@ -151,6 +153,7 @@ class ServerMetrics:
         self.prefix_hits.set(stats.prefix_cache_hits)
         self.prefix_queries.set(stats.prefix_cache_queries)
         self.in_flight.set(in_flight)
+        self.compiled_graphs.set(stats.compiled_graphs)
         self.transfer.stats = stats.transfer
 
     def observe_request(self, ttft: float | None, e2e: float, num_output: int, finish_reason: str) -> None:

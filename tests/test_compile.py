@@ -1,0 +1,152 @@
+"""torch.compile of the model: byte-exact greedy outputs vs eager, no recompiles after warm-up, and
+the fallback when inductor cannot build (no C++ compiler)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from test_engine import ATOL, generate, ours_logits, prompts
+
+from kvpush.config import CacheConfig, CompileMode, EngineConfig, ModelConfig, SchedulerConfig
+from kvpush.engine.compiler import COMPILED_MIN_TOKENS
+from kvpush.engine.engine import LLMEngine
+from kvpush.engine.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+LONG = COMPILED_MIN_TOKENS + 10  # prompts long enough that their prefill runs the compiled pieces
+
+
+class CountingPieces:
+    """Counts forwards that ran the compiled pieces (so a test knows it exercised them)."""
+
+    def __init__(self, eng: LLMEngine) -> None:
+        pieces = eng.model.compiled_pieces
+        assert pieces is not None
+        self.calls = 0
+        inner = pieces.attention_input
+
+        def counted(*args):
+            self.calls += 1
+            return inner(*args)
+
+        pieces.attention_input = counted
+
+
+def compiled_engine(model: str) -> LLMEngine:
+    eng = LLMEngine(EngineConfig(ModelConfig(model), CacheConfig(block_size=4, num_blocks=512),
+                                 SchedulerConfig(16, LONG + 40, True), compile=CompileMode.ON))
+    assert eng.runner.compiled
+    return eng
+
+
+@pytest.fixture(scope="module")
+def compiled(tiny_model) -> LLMEngine:
+    return compiled_engine(tiny_model)
+
+
+def test_compiled_greedy_equals_eager_and_logits_match(compiled, tiny_model):
+    eager = LLMEngine(dataclasses.replace(compiled.config, compile=CompileMode.OFF))
+    assert not eager.runner.compiled
+    counter = CountingPieces(compiled)
+    # chunked prefills of LONG + 40 tokens next to decode rows of the requests already prefilled
+    ps = prompts(compiled.arch.vocab_size, (1, 7, 30, LONG, 2 * LONG, 45))
+    assert generate(compiled, ps, GREEDY) == generate(eager, ps, GREEDY)
+    assert counter.calls > 0
+    assert [generate(compiled, [p], GREEDY)[0] for p in ps[2:4]] == [generate(eager, [p], GREEDY)[0] for p in ps[2:4]]
+    tokens = ps[4][: LONG + 20]
+    diff = (ours_logits(compiled, tokens) - ours_logits(eager, tokens)).abs().max().item()
+    assert diff < ATOL, diff
+
+
+def test_no_recompile_after_warm_up(tiny_model):
+    compiled = compiled_engine(tiny_model)  # a fresh engine: nothing ran on it since its warm-up
+    before = compiled.runner.num_compiled_graphs
+    assert before > 0
+    counter = CountingPieces(compiled)
+    vocab = compiled.arch.vocab_size
+    generate(compiled, prompts(vocab, (1,)))  # a one-token prompt (eager)
+    generate(compiled, prompts(vocab, (5, LONG, 17, 2, LONG + 33, 3 * LONG)))  # mixed, chunked prefills
+    base = prompts(vocab, (LONG + 4,))[0]
+    generate(compiled, [base, base + list(range(3, 3 + LONG))])  # prefix-cache hit, then context
+    generate(compiled, [p[:3] for p in prompts(vocab, (8,) * 12)])  # a wide decode batch
+    assert counter.calls > 0
+    assert compiled.runner.num_compiled_graphs == before
+
+
+def test_layer_hook_runs_between_compiled_layers(compiled):
+    seen: list[int] = []
+    compiled.runner.layer_hook = seen.append
+    try:
+        generate(compiled, prompts(compiled.arch.vocab_size, (LONG,)), SamplingParams(max_tokens=1))
+    finally:
+        compiled.runner.layer_hook = None
+    assert seen == list(range(compiled.arch.num_layers))
+
+
+SCRIPT = """
+import logging, sys
+logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
+from kvpush.config import CacheConfig, CompileMode, EngineConfig, ModelConfig
+from kvpush.engine.compiler import COMPILED_MIN_TOKENS
+from kvpush.engine.engine import LLMEngine
+from kvpush.engine.sampling_params import SamplingParams
+from kvpush.errors import CompileError
+try:
+    eng = LLMEngine(EngineConfig(ModelConfig(sys.argv[1]), CacheConfig(num_blocks=32), compile=CompileMode(sys.argv[2])))
+except CompileError as e:
+    print("COMPILE-ERROR", e)
+    sys.exit(3)
+eng.add_request("a", [5, 6, 7], SamplingParams(max_tokens=3, temperature=0))
+while eng.has_unfinished():
+    eng.step()
+print("SERVED compiled=%s" % eng.runner.compiled)
+"""
+
+
+@pytest.mark.parametrize("mode", ["auto", "on"])
+def test_without_a_cxx_compiler(mode, tiny_model, tmp_path):
+    env = {**os.environ, "CXX": str(tmp_path / "no-such-c++"), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache"),
+           "KVPUSH_COMPILE": "off"}
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, tiny_model, mode], env=env, capture_output=True,
+                          text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    if mode == "auto":
+        assert proc.returncode == 0, out
+        assert "SERVED compiled=False" in out
+        lines = [line for line in out.splitlines() if "serving eagerly" in line]
+        assert len(lines) == 1, out
+    else:
+        assert proc.returncode == 3, out
+        assert "COMPILE-ERROR --compile on" in out
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_compiled_on_cuda_equals_eager(tiny_model):
+    def run(mode: CompileMode) -> list[list[int]]:
+        eng = LLMEngine(EngineConfig(ModelConfig(tiny_model, device="cuda"), CacheConfig(block_size=4, num_blocks=64),
+                                     compile=mode))
+        return generate(eng, prompts(eng.arch.vocab_size))
+    assert run(CompileMode.ON) == run(CompileMode.OFF)
+
+
+def test_compiled_server_does_not_recompile(server_factory, tiny_model):
+    """`serve --compile on`: the kvpush_compiled_graphs metric is set at start and stays flat."""
+    from kvpush_testing import post
+    from test_server import metrics
+
+    server = server_factory(tiny_model, "--compile", "on", "--block-size", "4", "--num-blocks", "512",
+                            timeout_s=300)
+    before = metrics(server.url)["kvpush_compiled_graphs"]
+    assert before > 0
+    vocab = 1000
+    for lengths in ((LONG,), (3, LONG + 57), (2 * LONG + 5, 9, 1)):
+        for p in prompts(vocab, lengths):
+            status, body = post(server.url + "/v1/completions",
+                                {"model": tiny_model, "prompt": p, "max_tokens": 4, "temperature": 0})
+            assert status == 200, body
+    assert metrics(server.url)["kvpush_compiled_graphs"] == before
