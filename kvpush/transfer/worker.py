@@ -209,6 +209,8 @@ class TransferWorker(PrefillSteps):
             elif rec is None and isinstance(cmd, (Register, Read)):
                 self.emit(KVFailed(tid, cmd.request_id, reason))
                 self.emit(FreeBlocks(list(cmd.block_ids if isinstance(cmd, Register) else cmd.local_ids)))
+            if isinstance(cmd, Hold):  # only the ledger refuses a Hold, and then took none of its blocks
+                self.emit(FreeBlocks(list(cmd.block_ids)))
 
     # ---- D side --------------------------------------------------------------------------
     def _register(self, cmd: Register) -> None:
