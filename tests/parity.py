@@ -17,8 +17,9 @@ from kvpush.launch import ServerProcess, free_port
 MODES = ("pull", "push", "push-layerwise")
 FIRST_TOKENS = ("recompute", "from-prefill")
 MAX_MODEL_LEN = 128
-# short leases and quarantine, so that the leak checks at the end need not wait long
-LIMITS = ("--max-model-len", str(MAX_MODEL_LEN), "--kv-lease-s", "10", "--kv-quarantine-s", "1")
+# short leases, deadlines and quarantine, so that the leak check at the end need not wait long
+LIMITS = ("--max-model-len", str(MAX_MODEL_LEN), "--kv-lease-s", "15", "--kv-timeout-s", "15",
+          "--kv-quarantine-s", "1")
 LOGPROB_TOLERANCE = 1e-4  # fp32; D computes the last prompt position in a batch of another shape
 
 
@@ -30,7 +31,14 @@ class World:
 
     @property
     def instances(self) -> list[ServerProcess]:
-        return [self.colocated, *(p for c in self.clusters.values() for p in (*c.prefills, *c.decodes))]
+        return list(self.names())
+
+    def names(self) -> dict[ServerProcess, str]:
+        """Every server (not the proxies) and what it is, e.g. "push/prefill"."""
+        out = {self.colocated: "colocated"}
+        for mode, c in self.clusters.items():
+            out |= {p: f"{mode}/prefill" for p in c.prefills} | {d: f"{mode}/decode" for d in c.decodes}
+        return out
 
     def stop(self) -> None:
         """Proxies first, then every server, each group stopped in parallel."""

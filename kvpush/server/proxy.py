@@ -2,10 +2,11 @@
 
 Per request:  pick a P and a D (round-robin or least-loaded among healthy instances), mint a
 transfer_id, then
-    push: dispatch both legs at once (P: max_tokens=1 + PrefillLegParams; D: the request +
-          DecodeLegParams naming P); stream D's answer back.
+    push: dispatch both legs at once (P: the request + PrefillLegParams, which P caps to one
+          token; D: the request + DecodeLegParams naming P); stream D's answer back.
     pull: send P's leg, wait for its PrefillResult, forward it to D (DecodeLegParams with P's
           block ids); stream D's answer back.
+A completions request with several prompts is one such dispatch per prompt (proxy_batch.py).
 If a leg fails, the client gets that leg's error (OpenAI error JSON) and the other leg is
 cancelled; a client that disconnects cancels both legs (their instances abort the requests).
 Instances are re-probed (GET /v1/kv_info) every second: a restarted instance rejoins with its

@@ -49,11 +49,11 @@ async def serve_batch(proxy: Proxy, request: web.Request, body: dict, prompts: l
     legs = await _open_all(proxy, tasks)
     complete = False
     try:
+        out: web.StreamResponse
         if legs[0].response.content_type.startswith("text/event-stream"):
-            out = await _stream(request, legs, f"cmpl-{base}")
+            out, complete = await _stream(request, legs, f"cmpl-{base}")
         else:
-            out = R.json_response(await _merge_json(legs, f"cmpl-{base}"))
-        complete = True
+            out, complete = R.json_response(await _merge_json(legs, f"cmpl-{base}")), True
         proxy.metrics.requests.labels(status="200").inc()
         return out
     finally:
@@ -129,7 +129,8 @@ def sum_usage(usages: list) -> dict | None:
 
 
 # ---- streaming -----------------------------------------------------------------------------
-async def _stream(request: web.Request, legs: list[Leg], rid: str) -> web.StreamResponse:
+async def _stream(request: web.Request, legs: list[Leg], rid: str) -> tuple[web.StreamResponse, bool]:
+    """Relay the legs' events as one stream; also says whether every leg's stream ran to its [DONE]."""
     out = web.StreamResponse(headers=SSE_HEADERS)
     await out.prepare(request)
     usage_chunks: list[dict] = []
@@ -137,12 +138,12 @@ async def _stream(request: web.Request, legs: list[Leg], rid: str) -> web.Stream
         async for i, event in events:
             if event is None:  # a leg's stream broke off without [DONE]: so does the client's
                 await out.write_eof()
-                return out
+                return out, False
             if "error" in event:  # a leg failed mid-stream: the batch ends with its error
                 await out.write(R.sse(event))
                 await out.write(R.SSE_DONE)
                 await out.write_eof()
-                return out
+                return out, False
             if event.get("choices") == [] and event.get("usage") is not None:
                 usage_chunks.append(event)
                 continue
@@ -152,7 +153,7 @@ async def _stream(request: web.Request, legs: list[Leg], rid: str) -> web.Stream
         await out.write(R.sse(last))
     await out.write(R.SSE_DONE)
     await out.write_eof()
-    return out
+    return out, True
 
 
 async def _events(legs: list[Leg]) -> AsyncGenerator[tuple[int, dict | None], None]:
