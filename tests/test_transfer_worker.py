@@ -376,6 +376,20 @@ def test_a_hold_the_ledger_refuses_gives_its_blocks_back(pd):
     assert rec_state(p, tid) is S.FAILED
 
 
+def test_d_cancel_after_the_kv_landed_frees_d_blocks(pd):
+    """D's request ends between the transfer's DONE and the engine applying KVReady: the engine
+    detached the blocks and sent Cancel, so D's transfer thread gives them back."""
+    p, d = pd
+    tid = pr.new_transfer_id()
+    start_push(p, d, tid, "hold_first")
+    d.events.wait(KVReady, tid)
+    assert rec_state(d, tid) is S.DONE and d.events.of(FreeBlocks) == []
+    d.worker.submit(Cancel(tid, "decode finished_aborted", P_ENGINE))
+    assert d.events.wait(FreeBlocks)[0].block_ids == list(D_BLOCKS)
+    time.sleep(SETTLE)
+    assert len(d.events.of(FreeBlocks)) == 1 and rec_state(d, tid) is S.DONE
+
+
 def test_first_token_travels_with_done(pd):
     p, d = pd
     tid = pr.new_transfer_id()

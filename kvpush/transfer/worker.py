@@ -249,6 +249,10 @@ class TransferWorker(PrefillSteps):
             return
         if not rec.is_terminal:
             self._fail(rec, cmd.reason, tell_peer=True)
+        elif rec.state is S.DONE and self.side is Side.DECODE:
+            # The KV landed, but D's request ended before the engine applied KVReady: the engine took
+            # these blocks out of the request when it sent Cancel, so they come back from here.
+            self.emit(FreeBlocks(list(rec.local_block_ids)))
 
     # ---- completion ----------------------------------------------------------------------
     def _poll_posted(self) -> bool:
