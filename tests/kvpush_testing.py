@@ -44,12 +44,15 @@ def metric(url: str, name: str) -> float:
     raise KeyError(name)
 
 
-def completion(url: str, prompt: list[int], max_tokens: int = MAX_TOKENS) -> tuple[list[str], str, dict]:
-    status, out = post(url + "/v1/completions", {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                                                 "ignore_eos": True, "logprobs": 0})
+def completion(url: str, prompt: list[int], max_tokens: int = MAX_TOKENS,
+               logprobs: bool = True) -> tuple[list[str] | None, str, dict]:
+    """Greedy tokens (as strings; None without logprobs), text and usage. A proxy recomputes the first
+    token on D for a request that asks for logprobs, whatever its --first-token says."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    status, out = post(url + "/v1/completions", {**body, "logprobs": 0} if logprobs else body)
     assert status == 200, out
     choice = out["choices"][0]
-    return choice["logprobs"]["tokens"], choice["text"], out["usage"]
+    return choice["logprobs"]["tokens"] if logprobs else None, choice["text"], out["usage"]
 
 
 class Cluster:

@@ -37,16 +37,19 @@ def test_outputs_equal_colocated(cluster, reference, first_token, shape):
     prompt = prompt_of(PROMPT_LENGTHS[shape], seed=len(shape))
     tokens, text, _ = completion(cluster.proxies[first_token].url, prompt)
     assert (tokens, text) == reference(prompt)
+    # without logprobs the proxy keeps --first-token from-prefill (with them D recomputes: P's logprob stays on P)
+    assert completion(cluster.proxies[first_token].url, prompt, logprobs=False)[1] == reference(prompt)[1]
 
 
 @pytest.mark.parametrize("first_token", ["recompute", "from-prefill"])
 def test_prefix_cache_hits_on_decode(cluster, reference, first_token):
     url = cluster.proxies[first_token].url
     base = prompt_of(4 * BS, seed=99 + len(first_token) + len(cluster.mode))
-    assert completion(url, base)[:2] == reference(base)  # D now caches base's full blocks
+    # no logprobs asked: the proxy keeps its --first-token (it recomputes on D for a request with logprobs)
+    assert completion(url, base, logprobs=False)[1] == reference(base)[1]  # D now caches base's full blocks
     longer = base + prompt_of(2 * BS + 3, seed=5)
-    tokens, text, usage = completion(url, longer)
-    assert (tokens, text) == reference(longer)
+    _, text, usage = completion(url, longer, logprobs=False)
+    assert text == reference(longer)[1]
     assert usage["prompt_tokens_details"]["cached_tokens"] == 4 * BS  # partial hit: the rest was transferred
     # A full hit: D holds every block it needs (recompute: the first n-1 tokens; pull from-prefill: all n,
     # P's first token came with its PrefillResult). Push from-prefill always receives the last block,
@@ -54,8 +57,8 @@ def test_prefix_cache_hits_on_decode(cluster, reference, first_token):
     push_from_prefill = first_token == "from-prefill" and cluster.mode != "pull"
     full = base + [7] if first_token == "recompute" else base
     bytes_before = metric(cluster.decodes[0].url, "kvpush_kv_transfer_bytes_total")
-    tokens, text, usage = completion(url, full)
-    assert (tokens, text) == reference(full)
+    _, text, usage = completion(url, full, logprobs=False)
+    assert text == reference(full)[1]
     moved = metric(cluster.decodes[0].url, "kvpush_kv_transfer_bytes_total") - bytes_before
     if push_from_prefill:
         assert usage["prompt_tokens_details"]["cached_tokens"] == 3 * BS and moved > 0
@@ -143,6 +146,7 @@ def test_layerwise_registration_after_prefill_started(tiny_model, reference, tmp
         for n in (BS - 3, 5 * BS, 7 * BS + 2):
             prompt = prompt_of(n, 300 + n)
             assert completion(proxy.url, prompt)[:2] == reference(prompt)
+            assert completion(proxy.url, prompt, logprobs=False)[1] == reference(prompt)[1]  # keeps first_token
         assert metric(c.prefills[0].url, "kvpush_kv_blocks_used") == 0
     finally:
         c.stop()

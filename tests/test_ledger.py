@@ -164,8 +164,8 @@ def test_illegal_transitions_raise() -> None:
         led.mark_posted(tid)
     with pytest.raises(LedgerError, match="POSTED"):
         led.mark_done(tid)
-    with pytest.raises(LedgerError, match="belong to transfer"):
-        led.on_prefill_done(new_transfer_id(), "r2", [1], T0 + 30)
+    shared = led.on_prefill_done(new_transfer_id(), "r2", [1], T0 + 30)  # a prefix-cached block of P's, shared
+    assert shared.state is S.PREFILLED and led.blocks_in_flight() == [1, 1]
     with pytest.raises(LedgerError, match="repeated"):
         led.on_prefill_done(new_transfer_id(), "r3", [7, 7], T0 + 30)
     with pytest.raises(LedgerError, match="decode-side"):

@@ -364,6 +364,48 @@ def test_push_with_prefix_writes_only_the_blocks_after_it(pd):
     assert torch.equal(d.kv[9], before[9])
 
 
+def test_two_transfers_share_a_prefix_cached_block_of_p(pd):
+    """Two requests with a common prefix hold the same prefix-cached block on P (one reference each):
+    both transfers deliver, and P frees each transfer's blocks once."""
+    p, d = pd
+    a, b = pr.new_transfer_id(), pr.new_transfer_id()
+    p.worker.submit(hold(a, (3, 4, 5)))
+    p.worker.submit(hold(b, (3, 4, 6), rid="req-p2"))
+    wait_until(lambda: rec_state(p, a) is S.PREFILLED and rec_state(p, b) is S.PREFILLED, what="both held")
+    d.worker.submit(register(a, (9, 1, 12)))
+    d.worker.submit(register(b, (2, 7, 8), rid="req-d2"))
+    d.events.wait(KVReady, a)
+    d.events.wait(KVReady, b)
+    p.events.wait(FreeBlocks, n=2)
+    assert sorted(p.events.freed()) == [[3, 4, 5], [3, 4, 6]]
+    assert torch.equal(d.kv[[9, 1, 12]], p.kv[[3, 4, 5]]) and torch.equal(d.kv[[2, 7, 8]], p.kv[[3, 4, 6]])
+
+
+def test_a_hold_the_ledger_refuses_gives_its_blocks_back(pd):
+    p, _ = pd
+    tid = pr.new_transfer_id()
+    p.worker.submit(hold(tid, P_BLOCKS))
+    wait_until(lambda: rec_state(p, tid) is S.PREFILLED, what="P holds the blocks")
+    p.worker.submit(hold(tid, (7, 8)))  # "prefill reported done twice": an internal error fails the transfer
+    p.events.wait(FreeBlocks, n=2)
+    assert sorted(p.events.freed()) == [[3, 4, 5], [7, 8]]  # nothing of either Hold is left held
+    assert rec_state(p, tid) is S.FAILED
+
+
+def test_d_cancel_after_the_kv_landed_frees_d_blocks(pd):
+    """D's request ends between the transfer's DONE and the engine applying KVReady: the engine
+    detached the blocks and sent Cancel, so D's transfer thread gives them back."""
+    p, d = pd
+    tid = pr.new_transfer_id()
+    start_push(p, d, tid, "hold_first")
+    d.events.wait(KVReady, tid)
+    assert rec_state(d, tid) is S.DONE and d.events.of(FreeBlocks) == []
+    d.worker.submit(Cancel(tid, "decode finished_aborted", P_ENGINE))
+    assert d.events.wait(FreeBlocks)[0].block_ids == list(D_BLOCKS)
+    quiesce(p, d)
+    assert len(d.events.of(FreeBlocks)) == 1 and rec_state(d, tid) is S.DONE
+
+
 def test_first_token_travels_with_done(pd):
     p, d = pd
     tid = pr.new_transfer_id()

@@ -17,7 +17,7 @@ from contextlib import aclosing
 
 from aiohttp import web
 
-from kvpush.config import ServerConfig
+from kvpush.config import Role, ServerConfig
 from kvpush.engine.engine import check_prompt
 from kvpush.engine.sampling_params import SamplingParams
 from kvpush.errors import InvalidRequestError
@@ -156,6 +156,11 @@ class OpenAIServer:
         kv = await vllm_compat.resolve_bootstrap(body.kv_transfer_params)
         return vllm_compat.translate_request(kv, info.role, info.kv_mode, num_prompts, body.stream), True
 
+    def _streams(self, body: CompletionRequest | ChatCompletionRequest) -> bool:
+        """A prefill leg's answer (its PrefillResult) is one JSON body, whatever `stream` says: the proxy
+        sends P the client's body unchanged, so that P validates it exactly as D and a colocated instance do."""
+        return body.stream and self.config.role is not Role.PREFILL
+
     def _new_id(self, prefix: str) -> str:
         return f"{prefix}-{uuid.uuid4().hex[:16]}{next(self._ids)}"
 
@@ -166,6 +171,9 @@ class OpenAIServer:
         prompts = body.prompts()
         kv, vllm = await self._leg_params(body, len(prompts))
         params = body.sampling_params(16, body.logprobs)
+        if body.kv_transfer_params is not None and len(prompts) > 1:
+            raise InvalidRequestError("kv_transfer_params names one transfer: send one prompt per request "
+                                      "(the proxy splits batched prompts)", param="prompt")
         ids = [p if isinstance(p, list) else self.tokenizer.encode(p) for p in prompts]
         for p in ids:
             self._check_prompt(p, params, body.max_tokens is not None)
@@ -183,7 +191,7 @@ class OpenAIServer:
                            params: SamplingParams, kv: RequestLegParams | None,
                            vllm: bool) -> web.StreamResponse:
         want_lp = body.logprobs is not None
-        if not body.stream:
+        if not self._streams(body):
             await asyncio.gather(*(self.generator.run(s, params, kv) for s in states))
             out = R.completion(rid, self.model_name, states, self.tokenizer, want_lp)
             return R.json_response(vllm_compat.vllm_response(out, self._role) if vllm else out)
@@ -258,7 +266,7 @@ class OpenAIServer:
     async def _chat(self, request: web.Request, body: ChatCompletionRequest, rid: str, state: GenState,
                     params: SamplingParams, kv: RequestLegParams | None, vllm: bool) -> web.StreamResponse:
         want_lp = body.logprobs
-        if not body.stream:
+        if not self._streams(body):
             await self.generator.run(state, params, kv)
             out = R.chat_completion(rid, self.model_name, state, self.tokenizer, want_lp)
             return R.json_response(vllm_compat.vllm_response(out, self._role) if vllm else out)

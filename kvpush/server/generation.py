@@ -36,6 +36,7 @@ class GenEvent:
     token_ids: list[int]
     logprobs: list[m.LogprobEntry]
     finish_reason: str | None = None
+    text_offset: int = 0  # where `text` starts in the choice's whole text
 
 
 @dataclass
@@ -111,8 +112,9 @@ class Generator:
         elif delta.finish_reason is not None:
             text += detok.flush()
             state.finish_reason = delta.finish_reason
+        offset = len(state.text)
         state.text += text
-        return GenEvent(text, delta.new_token_ids, delta.logprobs, state.finish_reason)
+        return GenEvent(text, delta.new_token_ids, delta.logprobs, state.finish_reason, offset)
 
     def _observe(self, state: GenState, start: float, first: float | None) -> None:
         now = time.monotonic()

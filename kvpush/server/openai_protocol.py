@@ -82,15 +82,23 @@ class CompletionRequest(_Common, kw_only=True):
         """The prompt field as a list of prompts (a string, token ids, or a list of either)."""
         _require(not self.echo, "echo is not supported", "echo")
         _require(self.suffix is None, "suffix is not supported", "suffix")
-        p = self.prompt
-        if isinstance(p, str):
-            return [p]
-        if isinstance(p, list) and p and all(_is_token(t) for t in p):
-            return [p]
-        if isinstance(p, list) and p and all(isinstance(x, str) or _is_token_list(x) for x in p):
-            return list(p)
-        raise InvalidRequestError(
-            "prompt must be a non-empty string, a list of token ids, or a list of those", param="prompt")
+        prompts = split_prompt(self.prompt)
+        if prompts is None:
+            raise InvalidRequestError(
+                "prompt must be a non-empty string, a list of token ids, or a list of those", param="prompt")
+        return prompts
+
+
+def split_prompt(p: object) -> list[str | list[int]] | None:
+    """A completions `prompt` as its list of prompts (a string, token ids, or a list of either);
+    None when it is none of these shapes."""
+    if isinstance(p, str):
+        return [p]
+    if isinstance(p, list) and p and all(_is_token(t) for t in p):
+        return [p]
+    if isinstance(p, list) and p and all(isinstance(x, str) or _is_token_list(x) for x in p):
+        return list(p)
+    return None
 
 
 class TextPart(msgspec.Struct):

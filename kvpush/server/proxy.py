@@ -2,10 +2,11 @@
 
 Per request:  pick a P and a D (round-robin or least-loaded among healthy instances), mint a
 transfer_id, then
-    push: dispatch both legs at once (P: max_tokens=1 + PrefillLegParams; D: the request +
-          DecodeLegParams naming P); stream D's answer back.
+    push: dispatch both legs at once (P: the request + PrefillLegParams, which P caps to one
+          token; D: the request + DecodeLegParams naming P); stream D's answer back.
     pull: send P's leg, wait for its PrefillResult, forward it to D (DecodeLegParams with P's
           block ids); stream D's answer back.
+A completions request with several prompts is one such dispatch per prompt (proxy_batch.py).
 If a leg fails, the client gets that leg's error (OpenAI error JSON) and the other leg is
 cancelled; a client that disconnects cancels both legs (their instances abort the requests).
 Instances are re-probed (GET /v1/kv_info) every second: a restarted instance rejoins with its
@@ -27,6 +28,7 @@ from aiohttp import web
 
 from kvpush import kv_params as kp
 from kvpush.config import FirstToken, KVMode, ProxyConfig
+from kvpush.server import proxy_batch
 from kvpush.server import responses as R
 from kvpush.server.messages import KVInfo
 from kvpush.server.proxy_metrics import ProxyMetrics
@@ -71,7 +73,16 @@ class Dispatch:
     prefill: Instance
     decode: Instance
     transfer_id: str
+    first_token: FirstToken
     trace: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class Leg:
+    """One prompt's dispatch whose D answered 200: its answer is still to be read."""
+
+    dispatch: Dispatch
+    response: aiohttp.ClientResponse
 
 
 class Proxy:
@@ -187,43 +198,57 @@ class Proxy:
         return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
-        """Dispatch; a prefill leg that fails before any token reached the client (P unreachable or
-        answering 5xx) is retried on another prefill instance with a fresh transfer_id."""
         body = _parse_body(await request.read())
+        prompts = proxy_batch.batched_prompts(request.path, body)
+        if prompts is not None:
+            return await proxy_batch.serve_batch(self, request, body, prompts)
+        leg = await self.open_leg(request.path, body, kp.new_transfer_id())
+        try:
+            return await self._relay(request, leg.response, leg.dispatch)
+        finally:
+            self.end_leg(leg.dispatch)
+
+    async def open_leg(self, path: str, body: dict, transfer_id: str) -> Leg:
+        """Dispatch one prompt's P and D legs; return once D answered 200 (its first token exists).
+        A prefill leg that fails before that (P unreachable or answering 5xx) is retried on another
+        prefill instance, as transfer `<transfer_id>.<attempt>`. The caller must `end_leg` the result."""
         tried: set[str] = set()
-        while True:
+        for attempt in itertools.count():
             d = Dispatch(self.pick(self.prefills, "prefill", exclude=tried), self.pick(self.decodes, "decode"),
-                         kp.new_transfer_id())
+                         f"{transfer_id}.{attempt}" if attempt else transfer_id,
+                         first_token_for(body, self.config.first_token))
+            d.trace["dispatched"] = time.time()
+            d.prefill.in_flight += 1
+            d.decode.in_flight += 1
             try:
-                return await self._dispatch(request, body, d)
+                if self.config.kv_mode.is_push:
+                    return Leg(d, await self._push(path, body, d))
+                return Leg(d, await self._pull(path, body, d))
             except PrefillFailed as e:
+                self.end_leg(d)
                 tried.add(d.prefill.url)
                 self.metrics.retries.inc()
                 log.warning("prefill %s failed (%s); retrying elsewhere", d.prefill.url, e.error)
                 if not any(i.healthy and i.url not in tried for i in self.prefills):
                     raise e.error from None
+            except BaseException:
+                self.end_leg(d)
+                raise
+        raise AssertionError("unreachable")
 
-    async def _dispatch(self, request: web.Request, body: dict, d: Dispatch) -> web.StreamResponse:
-        d.trace["dispatched"] = time.time()
-        d.prefill.in_flight += 1
-        d.decode.in_flight += 1
-        try:
-            if self.config.kv_mode.is_push:
-                return await self._push(request, body, d)
-            return await self._pull(request, body, d)
-        finally:
-            d.prefill.in_flight -= 1
-            d.decode.in_flight -= 1
-            d.prefill.served += 1
-            d.decode.served += 1
+    def end_leg(self, d: Dispatch) -> None:
+        d.prefill.in_flight -= 1
+        d.decode.in_flight -= 1
+        d.prefill.served += 1
+        d.decode.served += 1
 
     # ---- the two flows -------------------------------------------------------------------
-    async def _push(self, request: web.Request, body: dict, d: Dispatch) -> web.StreamResponse:
+    async def _push(self, path: str, body: dict, d: Dispatch) -> aiohttp.ClientResponse:
         p_params = kp.PrefillLegParams(transfer_id=d.transfer_id, mode=self.config.kv_mode,
                                        decode_engine_id=d.decode.engine_id)
         d_params = self._decode_params(d, None)
-        p_task = asyncio.create_task(self._prefill_leg(request.path, body, p_params, d))
-        d_task = asyncio.create_task(self._open_decode(request.path, body, d_params, d))
+        p_task = asyncio.create_task(self._prefill_leg(path, body, p_params, d))
+        d_task = asyncio.create_task(self._open_decode(path, body, d_params, d))
         try:
             # D answers once its first token exists. A P leg failing before that cancels D (and may
             # be retried elsewhere); after it, P's answer only adds its timestamps to the trace.
@@ -236,16 +261,15 @@ class Proxy:
             await _cancel(p_task, d_task)
             raise
         p_task.add_done_callback(_retrieve)
-        return await self._relay(request, d_resp, d)
+        return d_resp
 
-    async def _pull(self, request: web.Request, body: dict, d: Dispatch) -> web.StreamResponse:
+    async def _pull(self, path: str, body: dict, d: Dispatch) -> aiohttp.ClientResponse:
         p_params = kp.PrefillLegParams(transfer_id=d.transfer_id, mode=KVMode.PULL)
-        result = await self._prefill_leg(request.path, body, p_params, d)
-        d_resp = await self._open_decode(request.path, body, self._decode_params(d, result), d)
-        return await self._relay(request, d_resp, d)
+        result = await self._prefill_leg(path, body, p_params, d)
+        return await self._open_decode(path, body, self._decode_params(d, result), d)
 
     def _decode_params(self, d: Dispatch, result: kp.PrefillResult | None) -> kp.DecodeLegParams:
-        first: FirstToken = self.config.first_token
+        first = d.first_token
         if result is not None:
             return result.to_decode_leg(first)
         p = d.prefill
@@ -319,11 +343,19 @@ class Proxy:
 
 
 def prefill_body(body: dict, kv_params: dict) -> dict:
-    """P's leg: the same request, one token, no streaming or logprobs."""
-    leg = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "logprobs", "top_logprobs",
-                                                      "min_tokens", "max_completion_tokens")}
-    leg.update(max_tokens=1, stream=False, kv_transfer_params=kv_params)
-    return leg
+    """P's leg: the client's request unchanged, so that P validates it as D does (same 4xx). P's connector
+    caps it to one token, and a prefill instance answers with one JSON body whatever `stream` says."""
+    return dict(body, kv_transfer_params=kv_params)
+
+
+def first_token_for(body: dict, configured: FirstToken) -> FirstToken:
+    """`from-prefill` only where P's first token is exactly what D would sample: not when the client
+    asks for logprobs (P's are not transferred) or samples with a seed (P's generator is not D's)."""
+    logprobs = body.get("logprobs")
+    wants_logprobs = logprobs is not None and logprobs is not False
+    temperature = body.get("temperature")
+    seeded = body.get("seed") is not None and (temperature is None or temperature != 0)
+    return FirstToken.RECOMPUTE if wants_logprobs or seeded else configured
 
 
 def _prefill_trace(trace: object) -> dict[str, float]:

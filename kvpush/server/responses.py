@@ -82,7 +82,7 @@ def completion(rid: str, model: str, states: list[GenState], tok: Tokenizer, wan
 def completion_chunk(rid: str, model: str, index: int, ev: GenEvent, state: GenState, tok: Tokenizer,
                      want_logprobs: bool) -> dict:
     choice = {"index": index, "text": ev.text, "finish_reason": ev.finish_reason,
-              "logprobs": completion_logprobs(tok, ev.logprobs, len(state.text) - len(ev.text))
+              "logprobs": completion_logprobs(tok, ev.logprobs, ev.text_offset)
               if want_logprobs else None}
     if ev.finish_reason is not None:
         choice.update(extras(state))

@@ -24,6 +24,7 @@ from kvpush.transfer.ledger import TransferRecord
 from kvpush.transfer.ledger import TransferState as S
 from kvpush.transfer.peers import Peers
 from kvpush.transfer.posted import Posted
+from kvpush.transfer.records import TransferState
 
 LEASE_MARGIN_S = 0.5  # D does not start a READ this close to the end of P's lease
 
@@ -66,6 +67,10 @@ class DecodeSide:
         rec = self.ledger.get(cmd.transfer_id)
         if rec is not None and not rec.is_terminal:
             self.fail(rec, cmd.reason)
+        elif rec is not None and rec.state is TransferState.DONE:
+            # The KV landed, but D's request ended before the engine applied KVReady: the engine took
+            # these blocks out of the request when it sent Cancel, so they come back from here.
+            self.posted.emit(FreeBlocks(list(rec.local_block_ids)))
 
     def lost(self, cmd: object, reason: str) -> None:
         """A Register / Read failed before its record existed: the request fails, its blocks are free."""

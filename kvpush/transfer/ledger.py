@@ -63,7 +63,7 @@ class TransferLedger:
         self._clock = clock
         self._lock = threading.Lock()
         self._records: dict[str, TransferRecord] = {}
-        self._owner: dict[int, str] = {}  # local block -> transfer holding it (live or quarantined)
+        self._owner: dict[int, str] = {}  # D: local block -> transfer holding it (live or quarantined)
         self._counters = LedgerCounters()
 
     # --- queries ----------------------------------------------------------------------------
@@ -293,8 +293,13 @@ class TransferLedger:
         return rec
 
     def _claim(self, blocks: tuple[int, ...], transfer_id: str) -> None:
+        """D: a block receives one transfer's KV at a time. P's held blocks are only read, and two
+        requests with a common prefix share P's prefix-cached blocks (one reference each), so several
+        P transfers may hold the same block."""
         if len(set(blocks)) != len(blocks):
             raise LedgerError(f"transfer {transfer_id}: repeated block ids {list(blocks)}")
+        if self.side is Role.PREFILL:
+            return
         busy = sorted(b for b in blocks if b in self._owner)
         if busy:
             raise LedgerError(f"transfer {transfer_id}: blocks {busy} belong to transfer "

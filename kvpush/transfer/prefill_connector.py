@@ -41,7 +41,9 @@ class PrefillConnector(RuntimeConnector):
 
     def on_add(self, request: Request, params: RequestLegParams | None) -> None:
         leg = self.leg(params, PrefillLegParams)
-        request.sampling_params = msgspec.structs.replace(request.sampling_params, max_tokens=1, min_tokens=0)
+        # One token; min_tokens capped at 1 so that its sample masks stop tokens as D's or a colocated one would
+        sp = request.sampling_params
+        request.sampling_params = msgspec.structs.replace(sp, max_tokens=1, min_tokens=min(sp.min_tokens, 1))
         request.kv_state = PrefillState(leg)
 
     def before_forward(self, scheduled: list[tuple[Request, int]]) -> None:

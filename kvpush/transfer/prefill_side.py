@@ -20,7 +20,7 @@ from kvpush.transfer.commands import Cancel, Hold, LayersDone
 from kvpush.transfer.events import FreeBlocks
 from kvpush.transfer.kv_agent import Transfer, XferStatus
 from kvpush.transfer.layerwise import LayerwiseTransfer, LayerwiseWriter
-from kvpush.transfer.ledger import TransferRecord
+from kvpush.transfer.ledger import LedgerError, TransferRecord
 from kvpush.transfer.ledger import TransferState as S
 from kvpush.transfer.peers import Peers
 from kvpush.transfer.posted import Posted
@@ -45,8 +45,12 @@ class PrefillSide:
     # ---- commands --------------------------------------------------------------------------
     def _hold(self, cmd: Hold) -> None:
         self.first_tokens[cmd.transfer_id] = cmd.first_token_id
-        rec = self.ledger.on_prefill_done(cmd.transfer_id, cmd.request_id, cmd.block_ids, cmd.lease_deadline,
-                                          peer_engine_id=cmd.decode_engine_id, num_tokens=cmd.num_tokens)
+        try:
+            rec = self.ledger.on_prefill_done(cmd.transfer_id, cmd.request_id, cmd.block_ids, cmd.lease_deadline,
+                                              peer_engine_id=cmd.decode_engine_id, num_tokens=cmd.num_tokens)
+        except LedgerError:  # the ledger refused the Hold and took none of its blocks: give them back
+            self.posted.emit(FreeBlocks(list(cmd.block_ids)))
+            raise
         self._update(rec)
 
     def _layers_done(self, cmd: LayersDone) -> None:
