@@ -42,6 +42,7 @@ class SuiteConfig:
     vocab_size: int = 8192
     idle_probe_s: float = 3.0
     progress: bool = False
+    pin: bool = False  # P and D on separate halves of the cores (see kvpush.placement)
 
 
 class Fleet:
@@ -58,7 +59,7 @@ class Fleet:
         for mode in ("push", "pull"):
             if mode in cfg.modes:
                 self.deployments[mode] = Deployment(cfg.model, 1, 1, mode, free_port(), cfg.serve_args, [],
-                                                    log_dir=os.path.join(log_dir, mode))
+                                                    log_dir=os.path.join(log_dir, mode), pin=cfg.pin)
 
     def start(self) -> Fleet:
         try:

@@ -136,6 +136,7 @@ class OpenAIServer:
 
     # ---- completions ---------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
+        received = time.time()
         body = parse_body(await request.read(), CompletionRequest)
         self._check_model(body.model)
         prompts = body.prompts()
@@ -145,7 +146,7 @@ class OpenAIServer:
             self._check_prompt(p, params, body.max_tokens is not None)
         self._admit(len(ids))
         rid = self._new_id("cmpl")
-        states = [GenState(f"{rid}-{i}", p) for i, p in enumerate(ids)]
+        states = [GenState(f"{rid}-{i}", p, stamps={"api_received": received}) for i, p in enumerate(ids)]
         for s in states:
             self.generator.submit(s, params, body.kv_transfer_params)
         try:
@@ -158,13 +159,15 @@ class OpenAIServer:
         want_lp = body.logprobs is not None
         if not body.stream:
             await asyncio.gather(*(self.generator.run(s, params, body.kv_transfer_params) for s in states))
+            _stamp(states, "api_answered")
             return R.json_response(R.completion(rid, self.model_name, states, self.tokenizer, want_lp))
         stream = LazyStream(request)
         try:
             async with aclosing(self._merge(states, params, body.kv_transfer_params)) as events:
                 async for i, ev in events:
-                    await stream.write(R.completion_chunk(rid, self.model_name, i, ev, states[i], self.tokenizer,
-                                                          want_lp))
+                    chunk = R.completion_chunk(rid, self.model_name, i, ev, states[i], self.tokenizer, want_lp)
+                    _stamp(states[i : i + 1], "api_first_chunk")
+                    await stream.write(chunk)
         except EngineRequestError as e:
             return await stream.fail(e)
         except ConnectionResetError:
@@ -208,6 +211,7 @@ class OpenAIServer:
 
     # ---- chat ----------------------------------------------------------------------------
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        received = time.time()
         body = parse_body(await request.read(), ChatCompletionRequest)
         self._check_model(body.model)
         text = self.tokenizer.apply_chat_template(body.message_dicts(), add_generation_prompt=body.add_generation_prompt)
@@ -219,7 +223,7 @@ class OpenAIServer:
         params = self._check_prompt(ids, body.sampling_params(default, body.chat_logprobs()), max_tokens is not None)
         self._admit(1)
         rid = self._new_id("chatcmpl")
-        state = GenState(rid, ids)
+        state = GenState(rid, ids, stamps={"api_received": received})
         self.generator.submit(state, params, body.kv_transfer_params)
         try:
             return await self._chat(request, body, rid, state, params)
@@ -231,6 +235,7 @@ class OpenAIServer:
         want_lp = body.logprobs
         if not body.stream:
             await self.generator.run(state, params, body.kv_transfer_params)
+            _stamp([state], "api_answered")
             return R.json_response(R.chat_completion(rid, self.model_name, state, self.tokenizer, want_lp))
         stream = LazyStream(request, R.chat_chunk(rid, self.model_name, {"role": "assistant", "content": ""}))
         try:
@@ -238,12 +243,22 @@ class OpenAIServer:
                 async for ev in events:
                     lp = R.chat_logprobs(self.tokenizer, ev.logprobs) if want_lp else None
                     delta = {"content": ev.text} if ev.text or ev.finish_reason is None else {}
-                    await stream.write(R.chat_chunk(rid, self.model_name, delta, ev.finish_reason, lp, state))
+                    chunk = R.chat_chunk(rid, self.model_name, delta, ev.finish_reason, lp, state)
+                    _stamp([state], "api_first_chunk")
+                    await stream.write(chunk)
         except EngineRequestError as e:
             return await stream.fail(e)
         except ConnectionResetError:
             return stream.gone()
         return await self._end_stream(stream, rid, "chat.completion.chunk", [state], body.include_usage)
+
+
+def _stamp(states: list[GenState], name: str) -> None:
+    """Trace timestamp of the API process (the first one of each name counts); a chunk's stamp is
+    taken just before it is written (after the write the client may already hold it)."""
+    now = time.time()
+    for s in states:
+        s.stamps.setdefault(name, now)
 
 
 class LazyStream:

@@ -50,6 +50,7 @@ class GenState:
     num_cached_tokens: int = 0
     kv_transfer_params: dict | None = None
     trace: dict[str, float] | None = None
+    stamps: dict[str, float] = field(default_factory=dict)  # the API process's trace timestamps
     queue: asyncio.Queue | None = None  # set by submit(): the engine knows the request from then on
     submitted_at: float = 0.0
 

@@ -189,11 +189,12 @@ class Proxy:
     async def handle(self, request: web.Request) -> web.StreamResponse:
         """Dispatch; a prefill leg that fails before any token reached the client (P unreachable or
         answering 5xx) is retried on another prefill instance with a fresh transfer_id."""
+        received = time.time()
         body = _parse_body(await request.read())
         tried: set[str] = set()
         while True:
             d = Dispatch(self.pick(self.prefills, "prefill", exclude=tried), self.pick(self.decodes, "decode"),
-                         pr.new_transfer_id())
+                         pr.new_transfer_id(), {"proxy_received": received})
             try:
                 return await self._dispatch(request, body, d)
             except PrefillFailed as e:
@@ -256,6 +257,7 @@ class Proxy:
     async def _prefill_leg(self, path: str, body: dict, params: pr.PrefillLegParams, d: Dispatch) -> pr.PrefillResult:
         assert self.session is not None
         leg = prefill_body(body, pr.params_to_dict(params))
+        d.trace["p_leg_sent"] = time.time()
         try:
             async with self.session.post(d.prefill.url + path, json=leg) as r:
                 data = await r.read()
@@ -280,6 +282,7 @@ class Proxy:
                            d: Dispatch) -> aiohttp.ClientResponse:
         assert self.session is not None
         leg = dict(body, kv_transfer_params=pr.params_to_dict(params))
+        d.trace["d_leg_sent"] = time.time()
         try:
             resp = await self.session.post(d.decode.url + path, json=leg)
         except aiohttp.ClientError as e:
@@ -303,9 +306,12 @@ class Proxy:
                 return web.Response(body=data, status=200, content_type="application/json")
             out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
             await out.prepare(request)
+            first = True
             async for line in d_resp.content:
                 if b'"kvpush_trace"' in line:
                     line = _merge_trace_line(line, d.trace)
+                if first and line.startswith(b"data: {"):  # stamped before the write: after it the client may have it
+                    first, d.trace["proxy_first_chunk"] = False, time.time()
                 await out.write(line)
             complete = True
             await out.write_eof()
@@ -330,7 +336,8 @@ def _prefill_trace(trace: object) -> dict[str, float]:
     """P's timestamps under the names the handover breakdown uses."""
     if not isinstance(trace, dict):
         return {}
-    names = {"arrived": "p_admitted", "prefill_done": "p_prefill_done"}
+    names = {"arrived": "p_admitted", "prefill_done": "p_prefill_done", "api_received": "p_api_received",
+             "api_answered": "p_answered"}
     return {names[k]: float(v) for k, v in trace.items() if k in names and isinstance(v, (int, float))}
 
 

@@ -282,7 +282,8 @@ class TransferWorker(PrefillSteps):
             if self.side is Side.PREFILL:
                 self._free_p(rec)
             else:
-                self.emit(KVReady(tid, rec.request_id or "", None))
+                landed = (("read_posted", time.time() - time.monotonic() + transfer.posted_at), ("kv_landed", time.time()))
+                self.emit(KVReady(tid, rec.request_id or "", None, landed))
         else:
             self._fail(rec, transfer.error or "transfer failed", tell_peer=True, confirmed=True)
 
@@ -350,7 +351,8 @@ class TransferWorker(PrefillSteps):
         elif rec.state is S.DONE:
             geometry = self.agent.geometry
             self.metrics.received(len(rec.local_block_ids) * (geometry.block_bytes if geometry else 0))
-            trace = tuple((k, v) for k in ("reg_received", "write_posted") if (v := getattr(msg, k, None)))
+            trace = (*((k, v) for k in ("reg_received", "write_posted") if (v := getattr(msg, k, None))),
+                     ("kv_landed", time.time()))
             self.emit(KVReady(rec.transfer_id, rec.request_id or "", getattr(msg, "first_token_id", None), trace))
         elif rec.is_terminal and (before is None or not before.is_terminal):
             self._terminal(rec)
