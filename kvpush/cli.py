@@ -245,6 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--result-dir", default="kvpush-results")
     p.add_argument("--rates", type=float, nargs="+", default=None, help="request rates (req/s)")
     p.add_argument("--num-prompts", type=int, default=12, help="measured requests per mode and rate")
+    p.add_argument("--no-pin", action="store_true", help="let P and D share cores (default: kvpush up --pin)")
     p.set_defaults(func=cmd_demo)
     _add_bench(sub)
     return parser

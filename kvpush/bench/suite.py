@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvpush.bench import cli as bench_cli
-from kvpush.bench.report import compare, format_handover, format_table, load_run
+from kvpush.bench.report import compare, format_handover, format_phases, format_table, load_run
 from kvpush.launch import ServerProcess, free_port
 from kvpush.server.up import Deployment
 
@@ -138,6 +138,8 @@ def run_suite(cfg: SuiteConfig) -> tuple[list[Path], Path, list[Path]]:
     fleet = Fleet(cfg, log_dir)
     print(f"kvpush suite: starting {', '.join(cfg.modes)} on {cfg.model} (logs in {log_dir})", flush=True)
     fleet.start()
+    for mode, dep in fleet.deployments.items():
+        print(f"{mode} placement: {'; '.join(dep.placement)}", flush=True)
     runs: list[Path] = []
     try:
         cpu = idle_cpu(fleet, cfg.idle_probe_s)
@@ -155,5 +157,6 @@ def run_suite(cfg: SuiteConfig) -> tuple[list[Path], Path, list[Path]]:
     md, pngs = compare([str(p) for p in runs], os.path.join(cfg.result_dir, "compare"))
     docs = [load_run(str(p)) for p in runs]
     print(format_table(docs))
+    print(format_phases(docs))
     print(format_handover(docs))
     return runs, md, pngs

@@ -59,6 +59,12 @@ PREDECESSORS: dict[str, tuple[str, ...]] = {
     "client_first_chunk": ("proxy_first_chunk",),
 }
 START, END = "client_sent", "client_first_chunk"
+# The same four phases for every mode, cut at fixed events (whatever the path): they add up to TTFT.
+PHASES = ("to prefill", "prefill", "handover", "to client")
+PREFILL_START = ("p_admitted", "arrived")  # the first present: P's admission, or a colocated instance's
+PREFILL_END = ("p_prefill_done", "first_token")
+KV_READY = ("d_ready", "first_token")
+REGISTRATION = ("d_leg_sent", "reg_received")  # push: D's leg until P holds its registration
 EVENT_ORDER = {name: i for i, name in enumerate(PREDECESSORS)}
 
 
@@ -83,6 +89,8 @@ class CriticalPath(msgspec.Struct, kw_only=True):
     overlapped: list[Segment]  # off the path: ran alongside it
     mean_unaccounted_ms: float
     max_abs_unaccounted_ms: float
+    phases: dict[str, float] = {}  # PHASES -> mean ms; they add up to the mean TTFT minus unaccounted
+    registration_ms: float | None = None  # push: mean of D's leg -> registration at P (overlapped)
 
 
 def events_of(trace: dict[str, Any]) -> dict[str, float]:
@@ -131,6 +139,21 @@ def request_segments(events: dict[str, float], ttft_s: float) -> tuple[dict[str,
     return critical, overlapped, unaccounted
 
 
+def phases_of(events: dict[str, float]) -> dict[str, float] | None:
+    """The four PHASES (ms) of one request, or None if a boundary event is missing. Each phase is
+    the time between two boundaries, clipped at 0 so that they still tile [START, END]."""
+    def first(names: tuple[str, ...]) -> float | None:
+        return next((events[n] for n in names if n in events), None)
+
+    marks = [events.get(START), first(PREFILL_START), first(PREFILL_END), first(KV_READY), events.get(END)]
+    if any(m is None for m in marks):
+        return None
+    t = [float(m) for m in marks if m is not None]
+    for i in range(1, len(t)):
+        t[i] = min(max(t[i], t[i - 1]), t[-1])
+    return {name: (t[i + 1] - t[i]) * 1000.0 for i, name in enumerate(PHASES)}
+
+
 def _segment_stats(per_request: Sequence[dict[str, float]], total: int) -> list[Segment]:
     values: dict[str, list[float]] = {}
     for segs in per_request:
@@ -151,7 +174,7 @@ def _segment_stats(per_request: Sequence[dict[str, float]], total: int) -> list[
 
 def analyze(records: Iterable[Any]) -> CriticalPath | None:
     """The critical path over successful records that carry a trace and the client's stamps."""
-    crit, over, unacc, ttfts = [], [], [], []
+    crit, over, unacc, ttfts, phases, regs = [], [], [], [], [], []
     for rec in records:
         if not rec.success or rec.ttft_s is None or not rec.kvpush_trace or rec.sent_unix is None:
             continue
@@ -162,6 +185,11 @@ def analyze(records: Iterable[Any]) -> CriticalPath | None:
         if END not in events:
             continue
         c, o, u = request_segments(events, rec.ttft_s)
+        p = phases_of(events)
+        if p is not None:
+            phases.append(p)
+        if all(n in events for n in REGISTRATION):
+            regs.append((events[REGISTRATION[1]] - events[REGISTRATION[0]]) * 1000.0)
         crit.append(c)
         over.append(o)
         unacc.append(u)
@@ -171,7 +199,9 @@ def analyze(records: Iterable[Any]) -> CriticalPath | None:
     return CriticalPath(requests=len(crit), mean_ttft_ms=float(np.mean(ttfts)), median_ttft_ms=float(np.median(ttfts)),
                         segments=_segment_stats(crit, len(crit)), overlapped=_segment_stats(over, len(over)),
                         mean_unaccounted_ms=float(np.mean(unacc)),
-                        max_abs_unaccounted_ms=float(np.max(np.abs(unacc))))
+                        max_abs_unaccounted_ms=float(np.max(np.abs(unacc))),
+                        phases={n: float(np.mean([p[n] for p in phases])) for n in PHASES} if phases else {},
+                        registration_ms=float(np.mean(regs)) if regs else None)
 
 
 def format_critical_path(cp: CriticalPath, title: str = "") -> str:
