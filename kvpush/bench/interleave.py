@@ -19,6 +19,7 @@ from kvpush.bench.datasets import Sample
 from kvpush.bench.loadgen import LoadConfig, _Client
 from kvpush.bench.metrics import RequestRecord
 from kvpush.bench.stats import bootstrap_ci, fmt_ci, ratio_ci, verdict
+from kvpush.bench.trace import END, START, events_of, phases_of
 
 
 async def run_interleaved(urls: dict[str, str], samples: Sequence[Sample], model: str,
@@ -44,11 +45,26 @@ def _ttfts(records: Sequence[RequestRecord]) -> np.ndarray:
     return np.array([r.ttft_s * 1000.0 if r.success and r.ttft_s is not None else np.nan for r in records])
 
 
+def _overheads(records: Sequence[RequestRecord]) -> np.ndarray:
+    """TTFT minus the request's own prefill phase (ms): the serving path's cost, without the
+    prefill time that machine noise moves by far more than the path costs."""
+    out = []
+    for r in records:
+        phases = None
+        if r.success and r.ttft_s is not None and r.kvpush_trace and r.sent_unix and r.first_chunk_unix:
+            phases = phases_of({**events_of(r.kvpush_trace), START: r.sent_unix, END: r.first_chunk_unix})
+        out.append(r.ttft_s * 1000.0 - phases["prefill"] if phases is not None and r.ttft_s is not None else np.nan)
+    return np.array(out)
+
+
 def paired_report(results: dict[str, list[RequestRecord]], reference: str = "colocated",
                   pairs: Sequence[tuple[str, str]] = (("push", "pull"),)) -> str:
-    """Markdown: TTFT per mode, per-prompt difference to `reference`, and paired ratios."""
+    """Markdown: TTFT and serving overhead (TTFT - prefill) per mode, per-prompt differences to
+    `reference`, and paired ratios with a verdict."""
     ttft = {m: _ttfts(recs) for m, recs in results.items()}
+    over = {m: _overheads(recs) for m, recs in results.items()}
     ok = np.logical_and.reduce([~np.isnan(v) for v in ttft.values()])
+    ok_over = np.logical_and.reduce([~np.isnan(v) for v in over.values()])
     lines = ["| mode | requests | failed | TTFT p50 ms [95% CI] | TTFT p99 ms | p50 of (mode - "
              f"{reference}) ms [95% CI] |", "|---|---|---|---|---|---|"]
     for m, v in ttft.items():
@@ -59,6 +75,16 @@ def paired_report(results: dict[str, list[RequestRecord]], reference: str = "col
         p50 = fmt_ci(*bootstrap_ci(good), digits=1) if good.size else "-"
         p99 = f"{np.percentile(good, 99):.1f}" if good.size else "-"
         lines.append(f"| {m} | {v.size} | {int(np.isnan(v).sum())} | {p50} | {p99} | {diff} |")
+    lines += ["", f"| mode | overhead = TTFT - prefill, p50 ms [95% CI] | p50 of (mode - {reference}) ms [95% CI] |",
+              "|---|---|---|"]
+    for m, v in over.items():
+        good = v[ok_over]
+        if not good.size:
+            continue
+        diff = "-"
+        if reference in over and m != reference:
+            diff = fmt_ci(*bootstrap_ci(good - over[reference][ok_over]), digits=1)
+        lines.append(f"| {m} | {fmt_ci(*bootstrap_ci(good), digits=1)} | {diff} |")
     for a, b in pairs:
         if a in ttft and b in ttft and ok.any():
             est, lo, hi = ratio_ci(ttft[a][ok], ttft[b][ok], paired=True)
