@@ -152,6 +152,7 @@ class _StreamState:
         self.last_token_t: float | None = None
         self.counted = 0
         self.usage: dict[str, Any] = {}
+        self.wall = 0.0  # time.time() read together with the current chunk's perf_counter()
 
     def on_chunk(self, chunk: Any, now: float) -> None:
         """Update the record from one decoded SSE ``data:`` payload received at ``now``."""
@@ -172,7 +173,7 @@ class _StreamState:
         """Attribute TTFT or ITL entries to a chunk carrying ``tokens`` tokens."""
         if self.last_token_t is None:
             self.record.ttft_s = now - self.t_send
-            self.record.first_chunk_unix = time.time()
+            self.record.first_chunk_unix = self.wall or time.time()
         else:
             gap = (now - self.last_token_t) / tokens
             self.record.itl_s.extend([gap] * tokens)
@@ -197,7 +198,7 @@ async def _consume(resp: aiohttp.ClientResponse, state: _StreamState) -> None:
         if not line.startswith(b"data:"):
             continue
         payload = line[5:].strip()
-        now = perf_counter()
+        now, state.wall = perf_counter(), time.time()
         if payload == b"[DONE]":
             state.finish(now)
             return

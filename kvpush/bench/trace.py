@@ -10,8 +10,11 @@ instance's keep their own names):
     proxy (push: at dispatch; pull: after p_response) -> d_leg_sent -> api_received -> arrived
     push: -> d_registered -> reg_received (P) -> write_posted (P, after p_prefill_done too) -> kv_landed
     pull: -> d_admitted -> read_posted -> kv_landed
-    -> d_ready -> first_token -> api_first_chunk -> proxy_first_chunk -> client_first_chunk
-    colocated: client_sent -> api_received -> arrived -> first_token -> api_first_chunk -> client_first_chunk
+    -> d_ready -> first_token -> core_sent -> api_got -> api_dequeued -> api_first_chunk
+    -> proxy_first_chunk -> client_first_chunk
+    colocated: client_sent -> api_received -> arrived -> first_token -> core_sent -> ... -> client_first_chunk
+(core_sent: the engine core sends the token; api_got: the API process's reader thread has it;
+api_dequeued: the request's handler has it on the event loop.)
 
 ``PREDECESSORS`` is that graph. The critical path is found backwards from ``client_first_chunk``:
 at every event the predecessor taken is the *latest* one present in the trace (an event waits for
@@ -54,7 +57,10 @@ PREDECESSORS: dict[str, tuple[str, ...]] = {
     "kv_landed": ("write_posted", "read_posted"),
     "d_ready": ("kv_landed",),
     "first_token": ("d_ready", "arrived"),
-    "api_first_chunk": ("first_token",),
+    "core_sent": ("first_token",),
+    "api_got": ("core_sent",),
+    "api_dequeued": ("api_got",),
+    "api_first_chunk": ("api_dequeued",),
     "proxy_first_chunk": ("api_first_chunk",),
     "client_first_chunk": ("proxy_first_chunk",),
 }

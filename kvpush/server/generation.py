@@ -91,8 +91,11 @@ class Generator:
                     raise EngineRequestError(delta.error or "request failed", delta.error_status)
                 if first is None and delta.new_token_ids:
                     first = time.monotonic()
+                    state.stamps["api_got"] = self.engine.first_received.get(state.request_id, 0.0)
+                    state.stamps["api_dequeued"] = time.time()
                 yield self._apply(state, delta, detok)
         finally:
+            self.engine.first_received.pop(state.request_id, None)
             if state.finish_reason is None:
                 self.engine.abort(state.request_id)
                 state.finish_reason = "abort"
