@@ -35,12 +35,13 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=4)
     ap.add_argument("--modes", nargs="+", default=list(MODES))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--vocab-size", type=int, default=8192, help="prompt ids are drawn below this (the bench preset's)")
     ap.add_argument("--pin", action="store_true", help="P and D on separate cores (kvpush up --pin)")
     ap.add_argument("--out", default="kvpush-results/single_ttft.json")
     args = ap.parse_args()
     model = args.model or ensure_model(default_model_dir(), "bench")
     avoid = [int(t) for t in SPECIAL_IDS.split(",")]
-    samples = random_samples(args.num_prompts + 2, args.input_len, args.output_len, vocab_size=8192,
+    samples = random_samples(args.num_prompts + 2, args.input_len, args.output_len, vocab_size=args.vocab_size,
                              avoid_ids=avoid, seed=args.seed)
     cfg = SuiteConfig(model=model, modes=tuple(args.modes), serve_args=["--torch-threads", "1"], pin=args.pin)
     log_dir = os.path.join(os.path.dirname(args.out) or ".", "logs-single")
