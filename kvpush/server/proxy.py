@@ -306,12 +306,11 @@ class Proxy:
                 return web.Response(body=data, status=200, content_type="application/json")
             out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
             await out.prepare(request)
-            first = True
             async for line in d_resp.content:
                 if b'"kvpush_trace"' in line:
                     line = _merge_trace_line(line, d.trace)
-                if first and line.startswith(b"data: {"):  # stamped before the write: after it the client may have it
-                    first, d.trace["proxy_first_chunk"] = False, time.time()
+                if line.startswith(b"data: {"):  # stamped before the write: after it the client may have it
+                    d.trace.setdefault("proxy_first_chunk", time.time())
                 await out.write(line)
             complete = True
             await out.write_eof()
