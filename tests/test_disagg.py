@@ -111,13 +111,13 @@ def test_trace_is_complete_and_additive(cluster):
     events = {**events_of(trace), "client_sent": sent, "client_first_chunk": first}
     hops = {"proxy_received", "dispatched", "p_leg_sent", "p_api_received", "p_admitted", "p_prefill_done",
             "p_answered", "p_response", "d_leg_sent", "api_received", "arrived", "kv_landed", "d_ready",
-            "first_token", "api_first_chunk", "proxy_first_chunk"}
+            "first_token", "core_sent", "api_got", "api_dequeued", "api_first_chunk", "proxy_first_chunk"}
     hops |= {"d_registered", "reg_received", "write_posted"} if cluster.mode != "pull" else {"d_admitted", "read_posted"}
     assert hops <= set(events), hops - set(events)
     path = critical_path(events)
     assert path[:3] == ["client_sent", "proxy_received", "dispatched"]
-    assert path[-6:] == ["kv_landed", "d_ready", "first_token", "api_first_chunk", "proxy_first_chunk",
-                         "client_first_chunk"]
+    assert path[-9:] == ["kv_landed", "d_ready", "first_token", "core_sent", "api_got", "api_dequeued",
+                         "api_first_chunk", "proxy_first_chunk", "client_first_chunk"]
     if cluster.mode == "pull":
         assert {"p_prefill_done", "p_response", "d_leg_sent", "read_posted"} <= set(path)
     else:

@@ -34,6 +34,7 @@ from kvpush.transfer import protocol as pr
 log = logging.getLogger("kvpush.proxy")
 ROUTES = ("/v1/completions", "/v1/chat/completions")
 _kv_info_decoder = msgspec.json.Decoder(KVInfo)
+TRACE_WAIT_S = 1.0  # push: how long D's final chunk may wait for P's answer to merge P's stamps
 
 
 @dataclass
@@ -237,7 +238,7 @@ class Proxy:
             await _cancel(p_task, d_task)
             raise
         p_task.add_done_callback(_retrieve)
-        return await self._relay(request, d_resp, d)
+        return await self._relay(request, d_resp, d, p_task)
 
     async def _pull(self, request: web.Request, body: dict, d: Dispatch) -> web.StreamResponse:
         p_params = pr.PrefillLegParams(transfer_id=d.transfer_id, mode=KVMode.PULL)
@@ -295,12 +296,15 @@ class Proxy:
             raise LegError(resp.status, data)
         return resp
 
-    async def _relay(self, request: web.Request, d_resp: aiohttp.ClientResponse, d: Dispatch) -> web.StreamResponse:
+    async def _relay(self, request: web.Request, d_resp: aiohttp.ClientResponse, d: Dispatch,
+                     p_task: asyncio.Task | None = None) -> web.StreamResponse:
         """Copy D's answer to the client; merge the proxy's timestamps into kvpush_trace."""
         complete = False
         try:
             if not d_resp.content_type.startswith("text/event-stream"):
-                data = _merge_trace_json(await d_resp.read(), d.trace)
+                data = await d_resp.read()
+                await _wait_prefill(p_task)
+                data = _merge_trace_json(data, d.trace)
                 complete = True
                 self.metrics.requests.labels(status="200").inc()
                 return web.Response(body=data, status=200, content_type="application/json")
@@ -308,6 +312,7 @@ class Proxy:
             await out.prepare(request)
             async for line in d_resp.content:
                 if b'"kvpush_trace"' in line:
+                    await _wait_prefill(p_task)
                     line = _merge_trace_line(line, d.trace)
                 if line.startswith(b"data: {"):  # stamped before the write: after it the client may have it
                     d.trace.setdefault("proxy_first_chunk", time.time())
@@ -367,6 +372,13 @@ def _merge_trace_line(line: bytes, trace: dict[str, float]) -> bytes:
     if not line.startswith(b"data: "):
         return line
     return b"data: " + _merge_trace_json(line[6:].strip(), trace) + b"\n"
+
+
+async def _wait_prefill(p_task: asyncio.Task | None) -> None:
+    """Push: D may end before P's answer (with P's stamps) arrived; its final chunk, which carries
+    the trace, waits for it at most TRACE_WAIT_S (the first token never waits)."""
+    if p_task is not None and not p_task.done():
+        await asyncio.wait({p_task}, timeout=TRACE_WAIT_S)
 
 
 def _retrieve(task: asyncio.Task) -> None:
