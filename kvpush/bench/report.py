@@ -290,7 +290,7 @@ def _plot_critical_path(results: Sequence[Run], path: Path) -> Path | None:
                label="overlapped, not on the path: D's leg + registration")
     ax.set_xticks(xs, [label for label, _, _ in bars])
     ax.set_ylabel("mean ms per request (stack = TTFT)")
-    ax.set_title("Where TTFT goes: the critical path, same phases for every mode")
+    ax.set_title("TTFT by critical-path phase")
     ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.savefig(path, format="png", dpi=100)
     return path
