@@ -49,13 +49,17 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=_default(SchedulerConfig, "max_num_seqs"))
     g.add_argument("--max-num-batched-tokens", type=int, default=_default(SchedulerConfig, "max_num_batched_tokens"))
     g.add_argument("--no-chunked-prefill", action="store_true")
-    g.add_argument("--torch-threads", type=int, default=torch_threads_default())
+    g.add_argument("--torch-threads", type=int, default=None,
+                   help="torch intra-op threads (default: one per --cpus core, else $KVPUSH_TORCH_THREADS or 1)")
     g.add_argument("--seed", type=int, default=_default(EngineConfig, "seed"))
     g.add_argument("--compile", default=compile_mode_default().value, choices=[m.value for m in CompileMode],
                    help="torch.compile the model: auto (if inductor can build here), on (or fail), off")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    if args.torch_threads is None:
+        cpus = getattr(args, "cpus", None)
+        args.torch_threads = len(_cpus(cpus)) if cpus else torch_threads_default()
     _positive(args, "block_size", "max_num_seqs", "max_num_batched_tokens", "torch_threads", "kv_cache_memory_mb")
     if args.num_blocks is not None and args.num_blocks < 1:
         raise SystemExit("kvpush: --num-blocks must be at least 1")
@@ -97,11 +101,23 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--api-key", default=None)
     g.add_argument("--served-model-name", default=None)
     g.add_argument("--max-waiting", type=int, default=_default(ServerConfig, "max_waiting"))
+    g.add_argument("--cpus", default=None, metavar="LIST",
+                   help="run this instance's processes and threads only on these CPUs, e.g. 0-3,6")
 
 
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(host=args.host, port=args.port, role=Role(args.role), api_key=args.api_key,
-                        served_model_name=args.served_model_name, max_waiting=args.max_waiting)
+                        served_model_name=args.served_model_name, max_waiting=args.max_waiting,
+                        cpus=_cpus(args.cpus) if args.cpus else ())
+
+
+def _cpus(text: str) -> tuple[int, ...]:
+    from kvpush.placement import PlacementError, parse_cpus
+
+    try:
+        return parse_cpus(text)
+    except PlacementError as e:
+        raise SystemExit(f"kvpush: --cpus: {e}") from e
 
 
 def add_transfer_arguments(p: argparse.ArgumentParser) -> None:
@@ -183,9 +199,11 @@ def cmd_up(args: argparse.Namespace, serve_args: list[str]) -> int:
     if args.link_gbps is not None and not args.link_gbps > 0:
         raise SystemExit("kvpush up: --link-gbps must be positive")
     proxy_args = ["--first-token", args.first_token, "--policy", args.policy]
+    if args.pin and "--cpus" in serve_args:
+        raise SystemExit("kvpush up: --pin chooses each instance's --cpus; give one or the other")
     try:
         return run_up(args.model, args.prefill, args.decode, args.kv_mode, args.port, serve_args, proxy_args,
-                      link_gbps=args.link_gbps, router=args.router)
+                      link_gbps=args.link_gbps, router=args.router, pin=args.pin)
     except KVPushError as e:  # e.g. --link-gbps without root or iproute2
         print(f"kvpush up: error: {e}", file=sys.stderr)
         return 2
@@ -206,6 +224,8 @@ def up_parser() -> argparse.ArgumentParser:
                    help="front door: kvpush's proxy, or vllm-router (pip install vllm-router; push: sequential)")
     p.add_argument("--link-gbps", type=float, default=None, metavar="G",
                    help="root only: run P and D in two network namespaces joined by a link of G Gbit/s each way")
+    p.add_argument("--pin", action="store_true",
+                   help="prefill instances on one half of the cores, decode instances on the other (proxy unpinned)")
     return p
 
 
@@ -253,6 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--result-dir", default="kvpush-results")
     p.add_argument("--rates", type=float, nargs="+", default=None, help="request rates (req/s)")
     p.add_argument("--num-prompts", type=int, default=12, help="measured requests per mode and rate")
+    p.add_argument("--no-pin", action="store_true", help="let P and D share cores (default: kvpush up --pin)")
     p.set_defaults(func=cmd_demo)
     _add_bench(sub)
     return parser

@@ -93,6 +93,7 @@ class ServerConfig:
     api_key: str | None = None
     served_model_name: str | None = None
     max_waiting: int = 256
+    cpus: tuple[int, ...] = ()  # --cpus: the instance's processes and threads run only there (empty: anywhere)
     request_timeout_s: float = 600.0
 
 

@@ -12,6 +12,7 @@ import os
 
 from kvpush.bench.suite import SuiteConfig, run_suite
 from kvpush.config import default_model_dir
+from kvpush.placement import available_cpus
 
 DEMO_RATES = (1.0, 2.0, 4.0)
 
@@ -30,7 +31,7 @@ def run_demo(args: argparse.Namespace) -> int:
     model = ensure_model(args.model_dir or default_model_dir(), "bench")
     cfg = SuiteConfig(model=model, rates=tuple(args.rates or DEMO_RATES), num_prompts=args.num_prompts,
                       input_len=512, output_len=32, result_dir=args.result_dir,
-                      serve_args=["--torch-threads", "1"])
+                      serve_args=["--torch-threads", "1"], pin=not args.no_pin and len(available_cpus()) >= 2)
     runs, table, plots = run_suite(cfg)
     print(f"\nkvpush demo: {len(runs)} runs in {cfg.result_dir}; table {table}; plots "
           + ", ".join(str(p) for p in plots))

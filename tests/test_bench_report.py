@@ -26,7 +26,11 @@ def _records(n: int, ttft: float, tpot: float, out: int = 5, trace: bool = False
             output_tokens=out, prompt_tokens=10,
         )
         if trace:
-            rec.kvpush_trace = {"dispatched": 0.0, "p_prefill_done": ttft / 2, "first_token": ttft}
+            t0 = 1000.0 + i
+            rec.kvpush_trace = {"dispatched": t0, "p_admitted": t0 + 0.001, "p_prefill_done": t0 + ttft / 2,
+                                "d_leg_sent": t0, "reg_received": t0 + 0.01, "d_ready": t0 + ttft - 0.002,
+                                "first_token": t0 + ttft - 0.001}
+            rec.sent_unix, rec.first_chunk_unix = t0, t0 + ttft
         recs.append(rec)
     return recs
 
@@ -75,9 +79,11 @@ def test_format_table_ratios(run_files):
     assert push[1:3] == ["2", "8/0"]
     # TTFT p50, p99: push 110 (median of repeats), pull 200 -> 0.55
     assert push[3:5] == ["110.00", "110.00"] and pull[3:5] == ["200.00", "200.00"]
-    assert ratio[3:5] == ["0.550", "0.550"]
+    # TTFT and TPOT ratios carry the bootstrap interval over pooled requests and a verdict
+    assert ratio[3] == "0.550 [0.500, 0.600] push better"  # p50 of pooled push (100, 120 ms) / 200 ms
+    assert ratio[4].startswith("0.600 [") and ratio[4].endswith("push better")  # p99: 120 / 200 ms
     # TPOT 20 vs 25 ms -> 0.8; throughput 1.0 vs 0.5 req/s -> 2.0; 5.0 vs 2.5 tok/s -> 2.0
-    assert ratio[5:7] == ["0.800", "0.800"]
+    assert ratio[5:7] == ["0.800 [0.800, 0.800] push better"] * 2
     assert ratio[7:9] == ["2.000", "2.000"]
     inf_rows = _section(table, "inf")
     assert [_cells(r)[0] for r in inf_rows[2:]] == ["push"]  # no pull at inf: no ratio row
@@ -87,8 +93,12 @@ def test_compare_writes_markdown_and_pngs(run_files, tmp_path: Path):
     md_path, pngs = compare(run_files, tmp_path / "out")
     text = md_path.read_text()
     assert "| **push/pull** |" in text and "0.550" in text
-    assert "## Handover breakdown" in text and "dispatched->p_prefill_done" in text
-    assert [p.name for p in pngs] == ["ttft_vs_rate.png", "tpot_vs_rate.png", "handover_breakdown.png"]
+    assert "## Handover breakdown" in text and "dispatched->p_admitted" in text
+    assert "## Critical path" in text
+    phases = next(line for line in text.splitlines() if line.startswith("| 1 | pull |"))
+    # to prefill 1, prefill 99, handover 98, to client 2 ms; sum = TTFT 200; registration 10 ms
+    assert _cells(phases)[2:] == ["1.00", "99.00", "98.00", "2.00", "200.00", "10.00"]
+    assert [p.name for p in pngs] == ["ttft_vs_rate.png", "tpot_vs_rate.png", "critical_path.png"]
     for png in pngs:
         data = png.read_bytes()
         assert data[:8] == PNG_SIGNATURE
@@ -121,3 +131,20 @@ def test_run_compare_cli(run_files, tmp_path: Path, capsys):
     args = parser.parse_args([str(tmp_path / "missing.json"), "--out", str(tmp_path / "cli2")])
     assert run_compare(args) == 1
     assert "error: cannot read run file" in capsys.readouterr().err
+
+
+def test_ratio_verdicts_follow_the_interval(tmp_path: Path):
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+
+    def run(mode: str, ttfts) -> dict:
+        recs = [RequestRecord(index=i, prompt_len=1, output_len=1, success=True, ttft_s=float(t), e2el_s=float(t),
+                              output_tokens=1) for i, t in enumerate(ttfts)]
+        return {"config": {"mode": mode, "request_rate": 1.0},
+                "metrics": msgspec.to_builtins(compute_metrics(recs, 10.0, 1.0)), "requests": msgspec.to_builtins(recs)}
+
+    same = format_table([run("push", rng.normal(0.2, 0.02, 200)), run("pull", rng.normal(0.2, 0.02, 200))])
+    assert "cannot tell" in _cells(_section(same, "1")[-1])[3]
+    worse = format_table([run("push", rng.normal(0.25, 0.02, 200)), run("pull", rng.normal(0.2, 0.02, 200))])
+    assert "pull better" in _cells(_section(worse, "1")[-1])[3]

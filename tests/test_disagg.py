@@ -90,6 +90,47 @@ def test_streaming_through_proxy(cluster, reference):
     assert trace["dispatched"] <= trace["p_admitted"] <= trace["p_prefill_done"] <= trace["d_ready"] <= trace["first_token"]
 
 
+def test_trace_is_complete_and_additive(cluster):
+    """A streamed request through the proxy: every hop of its critical path is stamped, in causal
+    order, and the segments add up to the client's TTFT."""
+    import time
+
+    from kvpush.bench.trace import critical_path, events_of, request_segments
+
+    body = json.dumps({"prompt": prompt_of(3 * BS + 2, seed=11), "max_tokens": 4, "temperature": 0,
+                       "ignore_eos": True, "stream": True}).encode()
+    req = urllib.request.Request(cluster.proxies["from-prefill"].url + "/v1/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    trace, ttft, first = None, None, None
+    sent, t0 = time.time(), time.perf_counter()
+    with urllib.request.urlopen(req, timeout=60) as r:
+        for raw in r:
+            if raw.startswith(b"data: {"):
+                for c in json.loads(raw[6:])["choices"]:
+                    if ttft is None and c["text"]:
+                        ttft, first = time.perf_counter() - t0, time.time()
+                    trace = c.get("kvpush_trace", trace)
+    assert trace is not None and ttft is not None and first is not None
+    events = {**events_of(trace), "client_sent": sent, "client_first_chunk": first}
+    hops = {"proxy_received", "dispatched", "p_leg_sent", "p_api_received", "p_admitted", "p_prefill_done",
+            "p_answered", "p_response", "d_leg_sent", "api_received", "arrived", "kv_landed", "d_ready",
+            "first_token", "core_sent", "api_got", "api_dequeued", "api_first_chunk", "proxy_first_chunk"}
+    hops |= {"d_registered", "reg_received", "write_posted"} if cluster.mode != "pull" else {"d_admitted", "read_posted"}
+    assert hops <= set(events), hops - set(events)
+    path = critical_path(events)
+    assert path[:3] == ["client_sent", "proxy_received", "dispatched"]
+    assert path[-9:] == ["kv_landed", "d_ready", "first_token", "core_sent", "api_got", "api_dequeued",
+                         "api_first_chunk", "proxy_first_chunk", "client_first_chunk"]
+    if cluster.mode == "pull":
+        assert {"p_prefill_done", "p_response", "d_leg_sent", "read_posted"} <= set(path)
+    else:
+        assert "write_posted" in path and "p_response" not in path
+    crit, over, unaccounted = request_segments(events, ttft)
+    assert all(ms >= 0 for ms in crit.values()), crit  # causal order along the path
+    assert abs(unaccounted) < 1.0, (unaccounted, crit)
+    assert "p_answered->p_response" in over or cluster.mode == "pull"
+
+
 def test_blocks_all_free_afterwards(cluster):
     import time
 

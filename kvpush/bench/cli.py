@@ -37,6 +37,7 @@ from kvpush.bench.datasets import DatasetError, Sample, file_samples, random_sam
 from kvpush.bench.loadgen import BenchmarkAborted, LoadConfig, RunResult, fetch_model, run_load_sync
 from kvpush.bench.metrics import BenchmarkMetrics, compute_metrics, parse_slo
 from kvpush.bench.report import compare, fmt_rate, format_table, load_run
+from kvpush.bench.trace import format_critical_path
 
 DEFAULT_RESULT_DIR = "kvpush-results"
 DEFAULT_INPUT_LEN = 1024
@@ -135,6 +136,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     add("--slo", type=_slo, default={}, help="goodput SLOs in ms, e.g. ttft:500,tpot:50 (also e2el)")
     add("--timeout-s", type=_positive_float, default=600.0, help="per-request timeout")
     add("--no-progress", action="store_true", help="no progress bar")
+    add("--trace", action="store_true",
+        help="print each run's critical path: per-segment table of TTFT from the servers' kvpush_trace")
 
 
 def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
@@ -294,6 +297,10 @@ def _one_run(args: argparse.Namespace, k: int, rate: float, model: str) -> tuple
     doc = run_document(args, rate, model, seed, result, metrics)
     path = write_run(doc, args.result_dir, args.mode_label, rate)
     print(f"{summary_line(args.mode_label, rate, metrics)} -> {path}", flush=True)
+    if getattr(args, "trace", False):
+        cp = metrics.critical_path
+        print(format_critical_path(cp, f"{args.mode_label} @ {fmt_rate(rate)} req/s") if cp is not None
+              else "critical path: no request carried a complete kvpush_trace", flush=True)
     return doc, path
 
 

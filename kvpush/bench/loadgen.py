@@ -19,7 +19,9 @@ Per request the generator records, relative to the send time:
   which uses ``usage.completion_tokens``, stays exact.
 - E2E: from send to ``data: [DONE]``; output/prompt tokens from the final ``usage`` chunk
   (``stream_options.include_usage``), falling back to the counted tokens and the sample's length.
-- ``kvpush_trace``: the server-side timestamps dict from any chunk or choice (the last one wins), stored raw.
+- ``kvpush_trace``: the server-side timestamps dict from any chunk or choice (the last one wins), stored raw;
+  with ``sent_unix`` and ``first_chunk_unix`` (the client's wall clock at send and at the first token
+  chunk) it gives the request's critical path (``kvpush.bench.trace``).
 
 A request succeeds when the server answers 200, streams at least one token and ends with
 ``[DONE]``; HTTP errors, error chunks, dropped connections and timeouts are recorded as failures
@@ -150,6 +152,7 @@ class _StreamState:
         self.last_token_t: float | None = None
         self.counted = 0
         self.usage: dict[str, Any] = {}
+        self.wall = 0.0  # time.time() read together with the current chunk's perf_counter()
 
     def on_chunk(self, chunk: Any, now: float) -> None:
         """Update the record from one decoded SSE ``data:`` payload received at ``now``."""
@@ -170,6 +173,7 @@ class _StreamState:
         """Attribute TTFT or ITL entries to a chunk carrying ``tokens`` tokens."""
         if self.last_token_t is None:
             self.record.ttft_s = now - self.t_send
+            self.record.first_chunk_unix = self.wall or time.time()
         else:
             gap = (now - self.last_token_t) / tokens
             self.record.itl_s.extend([gap] * tokens)
@@ -194,7 +198,7 @@ async def _consume(resp: aiohttp.ClientResponse, state: _StreamState) -> None:
         if not line.startswith(b"data:"):
             continue
         payload = line[5:].strip()
-        now = perf_counter()
+        now, state.wall = perf_counter(), time.time()
         if payload == b"[DONE]":
             state.finish(now)
             return
@@ -215,6 +219,7 @@ class _Client:
         """Send one request now and return its record; never raises for request failures."""
         rec = RequestRecord(index=index, prompt_len=sample.prompt_len, output_len=sample.output_len)
         rec.scheduled_s = scheduled_s
+        rec.sent_unix = time.time()
         t_send = perf_counter()
         rec.start_s = t_send - t0
         try:

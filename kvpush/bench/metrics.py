@@ -22,6 +22,8 @@ Field names follow vLLM's serving benchmark. Conventions:
   (``TRACE_EVENTS`` order) that are present are taken in that order, missing ones skipped, and each
   consecutive pair is one segment ``"a->b"`` (ms). A segment can be negative when events overlap
   (in push mode the registration may arrive before prefill ends). Unknown keys are ignored.
+- Critical path (``critical_path``): the additive breakdown of TTFT from the client's send to its
+  first chunk, with overlapped work apart; see ``kvpush.bench.trace``.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ from typing import Any
 
 import msgspec
 import numpy as np
+
+from kvpush.bench.trace import CriticalPath, analyze
 
 TRACE_EVENTS = (
     "dispatched",
@@ -65,6 +69,8 @@ class RequestRecord(msgspec.Struct, kw_only=True):
     output_tokens: int = 0
     prompt_tokens: int = 0
     kvpush_trace: dict[str, Any] | None = None
+    sent_unix: float | None = None  # wall clock (time.time()) at send, for the critical path
+    first_chunk_unix: float | None = None  # wall clock at the first token-carrying chunk
 
 
 class HandoverSegment(msgspec.Struct, kw_only=True):
@@ -118,6 +124,7 @@ class BenchmarkMetrics(msgspec.Struct, kw_only=True):
     p90_e2el_ms: float | None = None
     p99_e2el_ms: float | None = None
     handover: list[HandoverSegment] = []
+    critical_path: CriticalPath | None = None
 
 
 def summarize(values_ms: Sequence[float]) -> dict[str, float | None]:
@@ -291,5 +298,6 @@ def compute_metrics(
         saturated=saturated,
         saturation_tolerance=tolerance,
         handover=handover_breakdown(ok),
+        critical_path=analyze(ok),
         **_latency_fields(ok),
     )

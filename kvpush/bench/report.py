@@ -3,7 +3,13 @@
 Runs are grouped by ``(config.request_rate, config.mode)``. Repeats of one group (same mode and
 rate, e.g. alternating push/pull runs) are combined by taking the median of each metric over the
 repeats; the ``runs`` column says how many there were. Ratios are ``push / pull`` of those values:
-below 1 push is better for latencies, above 1 push is better for throughputs.
+below 1 push is better for latencies, above 1 push is better for throughputs. TTFT and TPOT ratios
+carry a 95% bootstrap interval over the pooled requests of both modes and a verdict: "push better",
+"pull better", or "cannot tell" when the interval spans 1.
+
+The critical-path plot stacks, per mode and rate, the same four phases (to prefill, prefill,
+handover, to client; see ``kvpush.bench.trace``) so that each bar is the mean TTFT; work that
+overlapped the path (D's registration during P's prefill in push) is a separate hatched bar.
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from kvpush.bench.metrics import TRACE_EVENTS
+from kvpush.bench.stats import fmt_ci, p50, p99, ratio_ci, verdict
+from kvpush.bench.trace import PHASES
 
 MODE_ORDER = ("push", "pull", "colocated")
 COLUMNS = (
@@ -103,14 +111,39 @@ def _row(mode: str, runs: Sequence[Run]) -> str:
     return f"| {mode} | {len(runs)} | {done}/{failed} | " + " | ".join(cells) + f" | {sat_cell} |"
 
 
+def request_values(runs: Sequence[Run], metric: str) -> list[float]:
+    """Per-request TTFT or TPOT (ms) of the successful requests of ``runs``, pooled."""
+    out = []
+    for run in runs:
+        for r in run.get("requests") or []:
+            if not isinstance(r, dict) or not r.get("success") or r.get("ttft_s") is None:
+                continue
+            if metric == "ttft":
+                out.append(float(r["ttft_s"]) * 1000.0)
+            elif int(r.get("output_tokens") or 0) >= 2 and r.get("e2el_s") is not None:
+                out.append((float(r["e2el_s"]) - float(r["ttft_s"])) / (int(r["output_tokens"]) - 1) * 1000.0)
+    return out
+
+
+def _ratio_cell(push: Sequence[Run], pull: Sequence[Run], key: str) -> str:
+    """push/pull of one column; for TTFT and TPOT percentiles with a 95% bootstrap interval over
+    the pooled requests and a verdict ("cannot tell" when the interval spans 1)."""
+    plain = _fmt(ratio(median_metric(push, key), median_metric(pull, key)), 3)
+    metric = "ttft" if "_ttft_" in key else "tpot" if "_tpot_" in key else None
+    if metric is None:
+        return plain
+    a, b = request_values(push, metric), request_values(pull, metric)
+    if not a or not b:
+        return plain
+    est, lo, hi = ratio_ci(a, b, stat=p99 if key.startswith("p99") else p50)
+    return f"{fmt_ci(est, lo, hi)} {verdict(lo, hi)}"
+
+
 def _ratio_row(by_mode: dict[str, list[Run]]) -> str | None:
     """The push/pull ratio row, if both modes ran at this rate."""
     if "push" not in by_mode or "pull" not in by_mode:
         return None
-    cells = [
-        _fmt(ratio(median_metric(by_mode["push"], key), median_metric(by_mode["pull"], key)), 3)
-        for _, key in COLUMNS
-    ]
+    cells = [_ratio_cell(by_mode["push"], by_mode["pull"], key) for _, key in COLUMNS]
     return "| **push/pull** | | | " + " | ".join(cells) + " | |"
 
 
@@ -200,45 +233,77 @@ def _plot_latency(results: Sequence[Run], metric: str, title: str, path: Path) -
     return path
 
 
-def _plot_handover(results: Sequence[Run], path: Path) -> Path | None:
-    """Stacked bars of median handover segments per (mode, rate); None if no run has a trace.
+def phase_means(runs: Sequence[Run]) -> tuple[dict[str, float], float | None]:
+    """(phase -> median over repeats of the run's mean ms, median registration ms) from each run's
+    ``critical_path``; ({}, None) without traces."""
+    values: dict[str, list[float]] = {}
+    regs: list[float] = []
+    for run in runs:
+        cp = run["metrics"].get("critical_path")
+        if not isinstance(cp, dict):
+            continue
+        for name, ms in (cp.get("phases") or {}).items():
+            values.setdefault(name, []).append(float(ms))
+        if isinstance(cp.get("registration_ms"), int | float):
+            regs.append(float(cp["registration_ms"]))
+    phases = {n: statistics.median(values[n]) for n in PHASES if n in values}
+    return phases, statistics.median(regs) if regs else None
 
-    Negative medians (overlapping events) are drawn as 0.
-    """
+
+def format_phases(results: Sequence[Run]) -> str:
+    """Markdown table of the critical path's phases (mean ms, adding up to TTFT) per (rate, mode)."""
+    rows = [(rate, mode, *phase_means(runs)) for (rate, mode), runs in group_runs(results).items()]
+    rows = [row for row in rows if row[2]]
+    if not rows:
+        return ""
+    lines = ["| rate | mode | " + " | ".join(PHASES) + " | sum | D registration (overlapped) |",
+             "|" + "---|" * (len(PHASES) + 4)]
+    for rate, mode, phases, reg in rows:
+        cells = [_fmt(phases.get(n)) for n in PHASES]
+        lines.append(f"| {fmt_rate(rate)} | {mode} | " + " | ".join(cells) +
+                     f" | {_fmt(sum(phases.values()))} | {_fmt(reg)} |")
+    return "\n".join(lines) + "\n"
+
+
+def _plot_critical_path(results: Sequence[Run], path: Path) -> Path | None:
+    """Per (mode, rate): the critical path as one stacked bar of the same four phases for every
+    mode (mean ms; the bar's height is the mean TTFT), and beside it a separate hatched bar for
+    work that overlapped it (push: D's leg and registration during P's prefill). None without traces."""
     from matplotlib.figure import Figure
 
-    bars = [
-        (f"{mode}\n@{fmt_rate(rate)}", handover_medians(runs))
-        for (rate, mode), runs in sorted(group_runs(results).items(), key=lambda kv: (_mode_key(kv[0][1]), kv[0][0]))
-    ]
+    bars = [(f"{mode}\n@{fmt_rate(rate)}", *phase_means(runs))
+            for (rate, mode), runs in sorted(group_runs(results).items(), key=lambda kv: (kv[0][0], _mode_key(kv[0][1])))]
     bars = [bar for bar in bars if bar[1]]
     if not bars:
         return None
-    names = list(dict.fromkeys(name for _, segs in bars for name in segs))
-    fig = Figure(figsize=(max(6.0, 1.2 * len(bars) + 4), 5), layout="constrained")
+    fig = Figure(figsize=(max(6.0, 1.3 * len(bars) + 4), 5), layout="constrained")
     ax = fig.subplots()
+    xs = [float(i) for i in range(len(bars))]
     bottoms = [0.0] * len(bars)
-    for name in names:
-        heights = [max(0.0, segs.get(name, 0.0)) for _, segs in bars]
-        ax.bar(range(len(bars)), heights, bottom=bottoms, label=name)
+    for name in PHASES:
+        heights = [phases.get(name, 0.0) for _, phases, _ in bars]
+        ax.bar(xs, heights, width=0.55, bottom=bottoms, label=f"critical path: {name}")
         bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
-    ax.set_xticks(range(len(bars)), [label for label, _ in bars])
-    ax.set_ylabel("median segment duration (ms)")
-    clipped = any(v < 0 for _, segs in bars for v in segs.values())
-    ax.set_title("Handover breakdown" + (" (negative segments drawn as 0)" if clipped else ""))
+    regs = [(x + 0.4, reg) for x, (_, _, reg) in zip(xs, bars, strict=True) if reg is not None]
+    if regs:
+        ax.bar([x for x, _ in regs], [r for _, r in regs], width=0.2, color="none", edgecolor="gray", hatch="//",
+               label="overlapped, not on the path: D's leg + registration")
+    ax.set_xticks(xs, [label for label, _, _ in bars])
+    ax.set_ylabel("mean ms per request (stack = TTFT)")
+    ax.set_title("TTFT by critical-path phase")
     ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.savefig(path, format="png", dpi=100)
     return path
 
 
 def plot_all(results: Sequence[Run], out_dir: Path) -> list[Path]:
-    """Write the TTFT, TPOT and (if any traces) handover PNGs; return their paths."""
+    """Write the TTFT, TPOT and (if any traces) critical-path PNGs; return their paths."""
     paths = [
         _plot_latency(results, "ttft", "TTFT", out_dir / "ttft_vs_rate.png"),
         _plot_latency(results, "tpot", "TPOT", out_dir / "tpot_vs_rate.png"),
     ]
-    handover = _plot_handover(results, out_dir / "handover_breakdown.png")
-    return paths + ([handover] if handover else [])
+    critical = _plot_critical_path(results, out_dir / "critical_path.png")
+    return paths + ([critical] if critical else [])
 
 
 def _markdown(results: Sequence[Run], png_names: Sequence[str]) -> str:
@@ -251,9 +316,12 @@ def _markdown(results: Sequence[Run], png_names: Sequence[str]) -> str:
         "",
         format_table(results),
     ]
+    phases = format_phases(results)
+    if phases:
+        parts += ["## Critical path (mean ms per request; the phases add up to TTFT)", "", phases]
     handover = format_handover(results)
     if handover:
-        parts += ["## Handover breakdown (median ms per segment)", "", handover]
+        parts += ["## Handover breakdown (median ms per segment; segments can overlap)", "", handover]
     parts += [f"![{name}]({name})" for name in png_names]
     return "\n".join(parts) + "\n"
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvpush.bench import cli as bench_cli
-from kvpush.bench.report import compare, format_handover, format_table, load_run
+from kvpush.bench.report import compare, format_handover, format_phases, format_table, load_run
 from kvpush.launch import ServerProcess, free_port
 from kvpush.server.up import Deployment
 
@@ -42,6 +42,7 @@ class SuiteConfig:
     vocab_size: int = 8192
     idle_probe_s: float = 3.0
     progress: bool = False
+    pin: bool = False  # P and D on separate halves of the cores (see kvpush.placement)
 
 
 class Fleet:
@@ -58,7 +59,7 @@ class Fleet:
         for mode in ("push", "pull"):
             if mode in cfg.modes:
                 self.deployments[mode] = Deployment(cfg.model, 1, 1, mode, free_port(), cfg.serve_args, [],
-                                                    log_dir=os.path.join(log_dir, mode))
+                                                    log_dir=os.path.join(log_dir, mode), pin=cfg.pin)
 
     def start(self) -> Fleet:
         try:
@@ -137,6 +138,8 @@ def run_suite(cfg: SuiteConfig) -> tuple[list[Path], Path, list[Path]]:
     fleet = Fleet(cfg, log_dir)
     print(f"kvpush suite: starting {', '.join(cfg.modes)} on {cfg.model} (logs in {log_dir})", flush=True)
     fleet.start()
+    for mode, dep in fleet.deployments.items():
+        print(f"{mode} placement: {'; '.join(dep.placement)}", flush=True)
     runs: list[Path] = []
     try:
         cpu = idle_cpu(fleet, cfg.idle_probe_s)
@@ -154,5 +157,6 @@ def run_suite(cfg: SuiteConfig) -> tuple[list[Path], Path, list[Path]]:
     md, pngs = compare([str(p) for p in runs], os.path.join(cfg.result_dir, "compare"))
     docs = [load_run(str(p)) for p in runs]
     print(format_table(docs))
+    print(format_phases(docs))
     print(format_handover(docs))
     return runs, md, pngs

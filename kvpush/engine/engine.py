@@ -129,11 +129,14 @@ class LLMEngine:
 
     def step(self) -> list[EngineOutput]:
         """Apply transfer events, schedule, run the model once, sample. Returns outputs of requests
-        that progressed or ended."""
+        that progressed or ended. A step in which transfer events gave requests their first token
+        (P's, from the KV handover) returns those at once, without a forward: they must not wait
+        for the next decode step."""
         polled = self.connector.poll() if self.connector is not None else []
-        out = self.scheduler.schedule(self.admission_hook())
         outputs, self.finished = self.finished, []
-        outputs += [self._last_output(r) for r in polled]
+        if polled:  # a token that came with remote KV (P's first token) goes out before the next forward
+            return outputs + [self._last_output(r) for r in polled]
+        out = self.scheduler.schedule(self.admission_hook())
         outputs += [self._output(r, []) for r in out.rejected]
         if out.empty:
             return outputs
@@ -172,7 +175,7 @@ class LLMEngine:
             num_cached_tokens=request.num_cached_tokens,
             error=request.error,
             kv_transfer_params=request.kv_result if request.is_finished else None,
-            trace=dict(request.trace) if request.is_finished and self.connector is not None else None,
+            trace=dict(request.trace) if request.is_finished else None,
         )
 
 

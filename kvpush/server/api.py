@@ -166,6 +166,7 @@ class OpenAIServer:
 
     # ---- completions ---------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
+        received = time.time()
         body = parse_body(await request.read(), CompletionRequest)
         self._check_model(body.model)
         prompts = body.prompts()
@@ -179,7 +180,7 @@ class OpenAIServer:
             self._check_prompt(p, params, body.max_tokens is not None)
         self._admit(len(ids))
         rid = self._new_id("cmpl")
-        states = [GenState(f"{rid}-{i}", p) for i, p in enumerate(ids)]
+        states = [GenState(f"{rid}-{i}", p, stamps={"api_received": received}) for i, p in enumerate(ids)]
         for s in states:
             self.generator.submit(s, params, kv)
         try:
@@ -193,14 +194,16 @@ class OpenAIServer:
         want_lp = body.logprobs is not None
         if not self._streams(body):
             await asyncio.gather(*(self.generator.run(s, params, kv) for s in states))
+            _stamp(states, "api_answered")
             out = R.completion(rid, self.model_name, states, self.tokenizer, want_lp)
             return R.json_response(vllm_compat.vllm_response(out, self._role) if vllm else out)
         stream = LazyStream(request)
         try:
             async with aclosing(self._merge(states, params, kv)) as events:
                 async for i, ev in events:
-                    await stream.write(R.completion_chunk(rid, self.model_name, i, ev, states[i], self.tokenizer,
-                                                          want_lp))
+                    chunk = R.completion_chunk(rid, self.model_name, i, ev, states[i], self.tokenizer, want_lp)
+                    _stamp(states[i : i + 1], "api_first_chunk")
+                    await stream.write(chunk)
         except EngineRequestError as e:
             return await stream.fail(e)
         except ConnectionResetError:
@@ -244,6 +247,7 @@ class OpenAIServer:
 
     # ---- chat ----------------------------------------------------------------------------
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        received = time.time()
         body = parse_body(await request.read(), ChatCompletionRequest)
         self._check_model(body.model)
         kv, vllm = await self._leg_params(body, 1)
@@ -256,7 +260,7 @@ class OpenAIServer:
         params = self._check_prompt(ids, body.sampling_params(default, body.chat_logprobs()), max_tokens is not None)
         self._admit(1)
         rid = self._new_id("chatcmpl")
-        state = GenState(rid, ids)
+        state = GenState(rid, ids, stamps={"api_received": received})
         self.generator.submit(state, params, kv)
         try:
             return await self._chat(request, body, rid, state, params, kv, vllm)
@@ -268,6 +272,7 @@ class OpenAIServer:
         want_lp = body.logprobs
         if not self._streams(body):
             await self.generator.run(state, params, kv)
+            _stamp([state], "api_answered")
             out = R.chat_completion(rid, self.model_name, state, self.tokenizer, want_lp)
             return R.json_response(vllm_compat.vllm_response(out, self._role) if vllm else out)
         stream = LazyStream(request, R.chat_chunk(rid, self.model_name, {"role": "assistant", "content": ""}))
@@ -276,12 +281,22 @@ class OpenAIServer:
                 async for ev in events:
                     lp = R.chat_logprobs(self.tokenizer, ev.logprobs) if want_lp else None
                     delta = {"content": ev.text} if ev.text or ev.finish_reason is None else {}
-                    await stream.write(R.chat_chunk(rid, self.model_name, delta, ev.finish_reason, lp, state))
+                    chunk = R.chat_chunk(rid, self.model_name, delta, ev.finish_reason, lp, state)
+                    _stamp([state], "api_first_chunk")
+                    await stream.write(chunk)
         except EngineRequestError as e:
             return await stream.fail(e)
         except ConnectionResetError:
             return stream.gone()
         return await self._end_stream(stream, rid, "chat.completion.chunk", [state], body.include_usage)
+
+
+def _stamp(states: list[GenState], name: str) -> None:
+    """Trace timestamp of the API process (the first one of each name counts); a chunk's stamp is
+    taken just before it is written (after the write the client may already hold it)."""
+    now = time.time()
+    for s in states:
+        s.stamps.setdefault(name, now)
 
 
 class LazyStream:

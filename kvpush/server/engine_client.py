@@ -14,6 +14,7 @@ import asyncio
 import logging
 import multiprocessing as mp
 import threading
+import time
 from multiprocessing.connection import Connection
 
 from kvpush.config import EngineConfig
@@ -29,6 +30,7 @@ class EngineClient:
         self.config = config
         self.start_timeout_s = start_timeout_s
         self.queues: dict[str, asyncio.Queue[m.RequestDelta]] = {}
+        self.first_received: dict[str, float] = {}  # trace: when the reader got a request's first token
         self.stats = m.EngineStats()
         self.info: m.CoreReady | None = None
         self.healthy = False
@@ -108,16 +110,16 @@ class EngineClient:
             except (EOFError, OSError):
                 self._post(self._core_died, "engine core exited")
                 return
-            self._post(self._dispatch, msg)
+            self._post(self._dispatch, msg, time.time())
 
-    def _post(self, fn, arg) -> None:
+    def _post(self, fn, *args) -> None:
         assert self._loop is not None
         try:
-            self._loop.call_soon_threadsafe(fn, arg)
+            self._loop.call_soon_threadsafe(fn, *args)
         except RuntimeError:
             pass  # the loop is closed: shutting down
 
-    def _dispatch(self, msg: m.FromCore) -> None:
+    def _dispatch(self, msg: m.FromCore, received: float = 0.0) -> None:
         if isinstance(msg, m.StepOutputs):
             if msg.stats is not None:
                 self.stats = msg.stats
@@ -125,6 +127,8 @@ class EngineClient:
                 queue = self.queues.get(delta.request_id)
                 if queue is None:
                     continue
+                if delta.new_token_ids:
+                    self.first_received.setdefault(delta.request_id, received)
                 queue.put_nowait(delta)
                 if delta.finish_reason is not None:
                     del self.queues[delta.request_id]

@@ -116,7 +116,16 @@ class EngineCore:
             stats, self.last_stats, self.last_key = self.stats(), now, key
         if outputs or stats is not None:
             deltas = [to_delta(o) for o in outputs]
+            self._stamp_first(outputs)
             self.conn_out.send_bytes(m.encode(m.StepOutputs(deltas, stats)))
+
+    def _stamp_first(self, outputs: list[EngineOutput]) -> None:
+        """Trace: when a request's first token left the engine core (`core_sent`)."""
+        now = time.time()
+        for o in outputs:
+            request = self.engine.scheduler.requests.get(o.request_id)
+            if request is not None and o.new_token_ids and "core_sent" not in request.trace:
+                request.trace["core_sent"] = now
 
     def _stats_key(self) -> tuple[int, ...]:
         """Cheap summary of the state /metrics shows: stats go out at once when it changes."""

@@ -52,6 +52,7 @@ class GenState:
     num_cached_tokens: int = 0
     kv_transfer_params: PrefillResult | None = None
     trace: dict[str, float] | None = None
+    stamps: dict[str, float] = field(default_factory=dict)  # the API process's trace timestamps
     queue: asyncio.Queue | None = None  # set by submit(): the engine knows the request from then on
     submitted_at: float = 0.0
 
@@ -92,8 +93,11 @@ class Generator:
                     raise EngineRequestError(delta.error or "request failed", delta.error_status)
                 if first is None and delta.new_token_ids:
                     first = time.monotonic()
+                    state.stamps["api_got"] = self.engine.first_received.get(state.request_id, 0.0)
+                    state.stamps["api_dequeued"] = time.time()
                 yield self._apply(state, delta, detok)
         finally:
+            self.engine.first_received.pop(state.request_id, None)
             if state.finish_reason is None:
                 self.engine.abort(state.request_id)
                 state.finish_reason = "abort"

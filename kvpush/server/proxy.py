@@ -36,6 +36,7 @@ from kvpush.server.proxy_metrics import ProxyMetrics
 log = logging.getLogger("kvpush.proxy")
 ROUTES = ("/v1/completions", "/v1/chat/completions")
 _kv_info_decoder = msgspec.json.Decoder(KVInfo)
+TRACE_WAIT_S = 1.0  # push: how long D's final chunk may wait for P's answer to merge P's stamps
 
 
 @dataclass
@@ -75,6 +76,7 @@ class Dispatch:
     transfer_id: str
     first_token: FirstToken
     trace: dict[str, float] = field(default_factory=dict)
+    p_task: asyncio.Task | None = None  # push: P's leg, possibly still running after D answered
 
 
 @dataclass
@@ -198,17 +200,18 @@ class Proxy:
         return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
+        received = time.time()
         body = _parse_body(await request.read())
         prompts = proxy_batch.batched_prompts(request.path, body)
         if prompts is not None:
             return await proxy_batch.serve_batch(self, request, body, prompts)
-        leg = await self.open_leg(request.path, body, kp.new_transfer_id())
+        leg = await self.open_leg(request.path, body, kp.new_transfer_id(), received)
         try:
             return await self._relay(request, leg.response, leg.dispatch)
         finally:
             self.end_leg(leg.dispatch)
 
-    async def open_leg(self, path: str, body: dict, transfer_id: str) -> Leg:
+    async def open_leg(self, path: str, body: dict, transfer_id: str, received: float | None = None) -> Leg:
         """Dispatch one prompt's P and D legs; return once D answered 200 (its first token exists).
         A prefill leg that fails before that (P unreachable or answering 5xx) is retried on another
         prefill instance, as transfer `<transfer_id>.<attempt>`. The caller must `end_leg` the result."""
@@ -216,7 +219,7 @@ class Proxy:
         for attempt in itertools.count():
             d = Dispatch(self.pick(self.prefills, "prefill", exclude=tried), self.pick(self.decodes, "decode"),
                          f"{transfer_id}.{attempt}" if attempt else transfer_id,
-                         first_token_for(body, self.config.first_token))
+                         first_token_for(body, self.config.first_token), {"proxy_received": received or time.time()})
             d.trace["dispatched"] = time.time()
             d.prefill.in_flight += 1
             d.decode.in_flight += 1
@@ -261,6 +264,7 @@ class Proxy:
             await _cancel(p_task, d_task)
             raise
         p_task.add_done_callback(_retrieve)
+        d.p_task = p_task  # its answer only adds P's stamps to the trace (_relay waits a little for it)
         return d_resp
 
     async def _pull(self, path: str, body: dict, d: Dispatch) -> aiohttp.ClientResponse:
@@ -280,6 +284,7 @@ class Proxy:
     async def _prefill_leg(self, path: str, body: dict, params: kp.PrefillLegParams, d: Dispatch) -> kp.PrefillResult:
         assert self.session is not None
         leg = prefill_body(body, kp.params_to_dict(params))
+        d.trace["p_leg_sent"] = time.time()
         try:
             async with self.session.post(d.prefill.url + path, json=leg) as r:
                 data = await r.read()
@@ -304,6 +309,7 @@ class Proxy:
                            d: Dispatch) -> aiohttp.ClientResponse:
         assert self.session is not None
         leg = dict(body, kv_transfer_params=kp.params_to_dict(params))
+        d.trace["d_leg_sent"] = time.time()
         try:
             resp = await self.session.post(d.decode.url + path, json=leg)
         except aiohttp.ClientError as e:
@@ -321,7 +327,9 @@ class Proxy:
         complete = False
         try:
             if not d_resp.content_type.startswith("text/event-stream"):
-                data = _merge_trace_json(await d_resp.read(), d.trace)
+                data = await d_resp.read()
+                await _wait_prefill(d.p_task)
+                data = _merge_trace_json(data, d.trace)
                 complete = True
                 self.metrics.requests.labels(status="200").inc()
                 return web.Response(body=data, status=200, content_type="application/json")
@@ -329,7 +337,10 @@ class Proxy:
             await out.prepare(request)
             async for line in d_resp.content:
                 if b'"kvpush_trace"' in line:
+                    await _wait_prefill(d.p_task)
                     line = _merge_trace_line(line, d.trace)
+                if line.startswith(b"data: {"):  # stamped before the write: after it the client may have it
+                    d.trace.setdefault("proxy_first_chunk", time.time())
                 await out.write(line)
             complete = True
             await out.write_eof()
@@ -362,7 +373,8 @@ def _prefill_trace(trace: object) -> dict[str, float]:
     """P's timestamps under the names the handover breakdown uses."""
     if not isinstance(trace, dict):
         return {}
-    names = {"arrived": "p_admitted", "prefill_done": "p_prefill_done"}
+    names = {"arrived": "p_admitted", "prefill_done": "p_prefill_done", "api_received": "p_api_received",
+             "api_answered": "p_answered"}
     return {names[k]: float(v) for k, v in trace.items() if k in names and isinstance(v, (int, float))}
 
 
@@ -393,6 +405,13 @@ def _merge_trace_line(line: bytes, trace: dict[str, float]) -> bytes:
     if not line.startswith(b"data: "):
         return line
     return b"data: " + _merge_trace_json(line[6:].strip(), trace) + b"\n"
+
+
+async def _wait_prefill(p_task: asyncio.Task | None) -> None:
+    """Push: D may end before P's answer (with P's stamps) arrived; its final chunk, which carries
+    the trace, waits for it at most TRACE_WAIT_S (the first token never waits)."""
+    if p_task is not None and not p_task.done():
+        await asyncio.wait({p_task}, timeout=TRACE_WAIT_S)
 
 
 def _retrieve(task: asyncio.Task) -> None:

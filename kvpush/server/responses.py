@@ -51,8 +51,8 @@ def extras(state: GenState) -> dict:
     out: dict = {}
     if state.kv_transfer_params is not None:
         out["kv_transfer_params"] = state.kv_transfer_params
-    if state.trace:
-        out["kvpush_trace"] = state.trace
+    if state.trace or state.stamps:
+        out["kvpush_trace"] = {**(state.trace or {}), **state.stamps}
     return out
 
 

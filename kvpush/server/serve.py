@@ -13,6 +13,7 @@ import signal
 from aiohttp import web
 
 from kvpush.config import EngineConfig, ServerConfig, TransferConfig
+from kvpush.placement import apply_cpus, format_cpus
 from kvpush.server.api import OpenAIServer
 from kvpush.server.engine_client import EngineClient
 from kvpush.tokenizer import Tokenizer
@@ -42,8 +43,9 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig,
     await engine.start(extra_args=(server_config.role, transfer_config or TransferConfig()))
     server = OpenAIServer(server_config, engine, tokenizer, engine_config.model.model)
     runner = await start_http(server.build_app(), server_config.host, server_config.port)
+    where = f" on cpus {format_cpus(server_config.cpus)}" if server_config.cpus else ""
     print(f"kvpush: serving {server.model_name} ({server_config.role.value}) on "
-          f"http://{server_config.host}:{server_config.port}", flush=True)
+          f"http://{server_config.host}:{server_config.port}{where}", flush=True)
     try:
         await wait_for_signal()
     finally:
@@ -54,4 +56,5 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig,
 def run_serve(engine_config: EngineConfig, server_config: ServerConfig,
               transfer_config: TransferConfig | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    apply_cpus(server_config.cpus)  # before any thread or the engine core starts: they inherit it
     asyncio.run(serve(engine_config, server_config, transfer_config))

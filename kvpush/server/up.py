@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from kvpush.errors import KVPushError
 from kvpush.launch import ServerProcess, free_port
+from kvpush.placement import available_cpus, format_cpus, split_halves
 
 if TYPE_CHECKING:
     from kvpush.netlink import RateLimitedLink
@@ -26,17 +27,23 @@ if TYPE_CHECKING:
 class Deployment:
     def __init__(self, model: str, num_prefill: int, num_decode: int, kv_mode: str, port: int,
                  serve_args: list[str], proxy_args: list[str], log_dir: str | None = None,
-                 link: RateLimitedLink | None = None, router: str = "kvpush") -> None:
+                 link: RateLimitedLink | None = None, router: str = "kvpush", pin: bool = False) -> None:
         """With `link`, prefill instances run in link.ns_p, decode instances and the proxy in link.ns_d,
         KV moves over UCX/TCP across the shaped veth, and `url` is the proxy's address on ns_d's
-        link to the root namespace."""
+        link to the root namespace. With `pin`, prefill instances get the first half of this
+        process's CPUs and decode instances the second (`--cpus`); raises PlacementError with < 2."""
         self.log_dir = log_dir or tempfile.mkdtemp(prefix="kvpush-up-")
         os.makedirs(self.log_dir, exist_ok=True)
         self.instances: list[ServerProcess] = []
+        self.placement: list[str] = []
+        halves = dict(zip(("prefill", "decode"), split_halves(available_cpus()), strict=True)) if pin else {}
         urls: dict[str, list[str]] = {"prefill": [], "decode": []}
         for role, n in (("prefill", num_prefill), ("decode", num_decode)):
+            cpus = ["--cpus", format_cpus(halves[role])] if pin else []
             for i in range(n):
-                argv = ["serve", model, "--port", str(free_port()), "--role", role, "--kv-mode", kv_mode, *serve_args]
+                argv = ["serve", model, "--port", str(free_port()), "--role", role, "--kv-mode", kv_mode, *serve_args,
+                        *cpus]
+                self.placement.append(f"{role}-{i} on cpus {cpus[1] if cpus else 'any'}")
                 log_path = os.path.join(self.log_dir, f"{role}-{i}.log")
                 if link is None:
                     server = ServerProcess(argv, log_path=log_path)
@@ -60,6 +67,8 @@ class Deployment:
         else:  # in ns_d: reaches D locally, P over the link, and the root namespace reaches it
             self.proxy = ServerProcess([*proxy_argv, "--host", link.host_d_root], host=link.host_d_root,
                                        log_path=os.path.join(self.log_dir, "proxy.log"), prefix=link.wrap(link.ns_d, []))
+
+        self.placement.append("proxy on cpus any")
 
     @property
     def url(self) -> str:
@@ -118,7 +127,8 @@ def vllm_router_argv(port: int, urls: dict[str, list[str]], proxy_args: list[str
 
 
 def run_up(model: str, num_prefill: int, num_decode: int, kv_mode: str, port: int, serve_args: list[str],
-           proxy_args: list[str], link_gbps: float | None = None, router: str = "kvpush") -> int:
+           proxy_args: list[str], link_gbps: float | None = None, router: str = "kvpush",
+           pin: bool = False) -> int:
     link = None
     if link_gbps is not None:  # P and D on two "hosts" joined by a link of link_gbps each way
         from kvpush.netlink import LinkConfig, RateLimitedLink, require_root
@@ -126,20 +136,22 @@ def run_up(model: str, num_prefill: int, num_decode: int, kv_mode: str, port: in
         require_root()
         link = RateLimitedLink(LinkConfig(gbps=link_gbps)).start()
     try:
-        return _run_up(model, num_prefill, num_decode, kv_mode, port, serve_args, proxy_args, link, router)
+        return _run_up(model, num_prefill, num_decode, kv_mode, port, serve_args, proxy_args, link, router, pin)
     finally:
         if link is not None:
             link.close()
 
 
 def _run_up(model: str, num_prefill: int, num_decode: int, kv_mode: str, port: int, serve_args: list[str],
-            proxy_args: list[str], link: RateLimitedLink | None, router: str = "kvpush") -> int:
+            proxy_args: list[str], link: RateLimitedLink | None, router: str = "kvpush", pin: bool = False) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    dep = Deployment(model, num_prefill, num_decode, kv_mode, port, serve_args, proxy_args, link=link, router=router)
+    dep = Deployment(model, num_prefill, num_decode, kv_mode, port, serve_args, proxy_args, link=link, router=router,
+                     pin=pin)
     print(f"kvpush up: starting {num_prefill}P{num_decode}D ({kv_mode}) behind {router}; logs in {dep.log_dir}",
           flush=True)
+    print(f"kvpush up: placement: {'; '.join(dep.placement)}", flush=True)
     if link is not None:
         print(f"kvpush up: link {link.describe()}", flush=True)
     dep.start()

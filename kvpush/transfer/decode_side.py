@@ -87,8 +87,8 @@ class DecodeSide:
         if rec.state is S.DONE and isinstance(msg, pr.Done | pr.Commit):  # Commit: layer-wise, all landed
             geometry = self.posted.agent.geometry
             self.posted.metrics.received(len(rec.local_block_ids) * (geometry.block_bytes if geometry else 0))
-            trace = tuple((k, v) for k, v in (("reg_received", msg.reg_received),
-                                              ("write_posted", msg.write_posted)) if v)
+            trace = (*((k, v) for k, v in (("reg_received", msg.reg_received),
+                                           ("write_posted", msg.write_posted)) if v), ("kv_landed", time.time()))
             self.posted.emit(KVReady(rec.transfer_id, rec.request_id or "", msg.first_token_id, trace))
         elif rec.is_terminal and (before is None or not before.is_terminal):
             self._failed(rec)
@@ -104,7 +104,8 @@ class DecodeSide:
         elif state is XferStatus.DONE:
             self.posted.metrics.observe(transfer)
             rec = self.ledger.mark_done(tid)
-            self.posted.emit(KVReady(tid, rec.request_id or "", None))
+            landed = (("read_posted", time.time() - time.monotonic() + transfer.posted_at), ("kv_landed", time.time()))
+            self.posted.emit(KVReady(tid, rec.request_id or "", None, landed))
         else:
             self.fail(rec, transfer.error or "transfer failed", confirmed=True)
 
