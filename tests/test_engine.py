@@ -231,3 +231,13 @@ def test_cuda_without_a_gpu_is_a_clear_error(tiny_model):
         engine(tiny_model, device="cuda")
     with pytest.raises(SystemExit, match="no CUDA device is available"):
         main(["serve", tiny_model, "--device", "cuda"])
+
+
+@pytest.mark.parametrize("temperature", [5e-324, 1e-300, 1e-30])
+def test_tiny_temperature_samples_the_argmax_instead_of_crashing(temperature):
+    """row / temperature overflowed to inf for subnormal temperatures, and softmax(inf - inf) = nan
+    crashed the engine core (found by the proxy fuzz test)."""
+    from kvpush.layers.sampler import _sample_row
+    row = torch.tensor([0.5, 3.0, -1.0, float("-inf"), 2.9])
+    assert _sample_row(row, temperature, 0, 1.0, torch.Generator().manual_seed(0)) == 1
+    assert _sample_row(row, temperature, 2, 0.5, torch.Generator().manual_seed(0)) == 1

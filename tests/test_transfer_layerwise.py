@@ -121,7 +121,7 @@ def test_layerwise_push_commits_once_every_layer_landed(cluster, order):
     assert d.events.of(KVReady, tid) == []  # P's prefill has not ended: no Commit yet
     p.worker.submit(hold(tid, P_BLOCKS, first=9))
     (ready,) = d.events.wait(KVReady, tid)
-    assert ready.first_token_id == 9 and dict(ready.trace).keys() == {"reg_received", "write_posted"}
+    assert ready.first_token_id == 9 and dict(ready.trace).keys() == {"reg_received", "write_posted", "kv_landed"}
     assert torch.equal(d.kv[list(D_BLOCKS)], p.kv[list(P_BLOCKS)])
     p.events.wait(FreeBlocks)
     quiesce(p, d)

@@ -41,7 +41,9 @@ def suppress_stop_tokens(logits: torch.Tensor, requests: list[Request]) -> None:
 
 
 def _sample_row(row: torch.Tensor, temperature: float, top_k: int, top_p: float, gen: torch.Generator) -> int:
-    scaled = row / temperature  # [vocab]
+    # [vocab], <= 0. A temperature that is 0 in fp32 (e.g. 1e-300) makes the maxima 0/0 = nan and the
+    # rest -inf: the nan becomes 0, so it samples among the maxima (greedy), never from nan probabilities.
+    scaled = torch.nan_to_num((row - row.max()) / temperature, nan=0.0)
     if 0 < top_k < scaled.numel():
         kth = torch.topk(scaled, top_k).values[-1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
