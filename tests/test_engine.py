@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from kvpush_testing import devices
 
 from kvpush.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
@@ -241,3 +243,24 @@ def test_tiny_temperature_samples_the_argmax_instead_of_crashing(temperature):
     row = torch.tensor([0.5, 3.0, -1.0, float("-inf"), 2.9])
     assert _sample_row(row, temperature, 0, 1.0, torch.Generator().manual_seed(0)) == 1
     assert _sample_row(row, temperature, 2, 0.5, torch.Generator().manual_seed(0)) == 1
+
+
+@pytest.mark.parametrize("top_p", [5e-324, 1e-300, 1e-46])
+def test_top_p_below_fp32_resolution_keeps_the_most_likely_token(top_p):
+    """A top_p that rounds to 0 in fp32 dropped every token: all -inf, nan probabilities, a dead
+    engine core (found by the proxy fuzz test)."""
+    from kvpush.layers.sampler import _sample_row
+    row = torch.tensor([0.5, 3.0, -1.0, float("-inf"), 2.9])
+    assert _sample_row(row, 1.0, 0, top_p, torch.Generator().manual_seed(0)) == 1
+
+
+@settings(max_examples=300, deadline=None)
+@given(temperature=st.floats(0.0, 100.0, exclude_min=True), top_k=st.integers(-1, 8),
+       top_p=st.floats(0.0, 1.0, exclude_min=True), seed=st.integers(0, 2**16))
+def test_any_valid_sampling_params_sample_a_finite_logit(temperature, top_k, top_p, seed):
+    """Every combination SamplingParams accepts samples a token that was not masked to -inf."""
+    from kvpush.layers.sampler import _sample_row
+    row = torch.randn(11, generator=torch.Generator().manual_seed(seed)) * 5
+    row[[2, 7]] = float("-inf")  # suppressed stop tokens
+    token = _sample_row(row, temperature, top_k, top_p, torch.Generator().manual_seed(seed))
+    assert torch.isfinite(row[token])

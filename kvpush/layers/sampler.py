@@ -57,6 +57,9 @@ def _top_p(scaled: torch.Tensor, top_p: float) -> torch.Tensor:
     sorted_logits, order = torch.sort(scaled, descending=True)
     cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
     drop = cum - torch.softmax(sorted_logits, dim=-1) >= top_p  # keep the smallest set reaching top_p
+    # A top_p below fp32's smallest positive value (e.g. 5e-324) compares as 0 >= 0: the most likely
+    # token is always kept, so the row never becomes all -inf (nan probabilities).
+    drop[0] = False
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(scaled).scatter_(0, order, sorted_logits)
 
