@@ -41,7 +41,15 @@ from kvpush.transfer.handshake import HandshakeInfo
 from kvpush.transfer.kv_agent import PeerDisconnectedError, XferStatus
 from kvpush.transfer.ledger import TransferLedger
 from kvpush.transfer.ledger import TransferState as S
-from kvpush.transfer.thread import IDLE_WAIT_S, MAX_BACKOFF_S, RELAXED_POLL_S, Pacer, TransferThread
+from kvpush.transfer.thread import (
+    GRACE_S,
+    IDLE_WAIT_S,
+    MAX_BACKOFF_S,
+    RELAXED_POLL_S,
+    WAITING_POLL_S,
+    Pacer,
+    TransferThread,
+)
 
 NB, NL, BS, KVH, HD = 16, 2, 4, 2, 8  # kv[num_blocks, num_layers, 2, block_size, kv_heads, head_dim]
 P_ENGINE, D_ENGINE = "prefill-e0", "decode-e0"
@@ -138,7 +146,7 @@ class Cluster:
         if worker:
             w = TransferThread(side, agent, info, None, events, BS, handshake_timeout_s=2.0,
                                quarantine_s=quarantine_s, layerwise=layerwise)
-        node = Node(agent, kv, info, events, w)
+        node = Node(agent, kv, info if w is None else w.info, events, w)  # the thread's has its doorbell
         self.nodes.append(node)
         if w is not None:
             w.start()
@@ -638,19 +646,32 @@ def test_lease_expiry_frees_p_blocks_and_tells_d(cluster):
 
 def test_pacer_policy():
     pacer = Pacer()
-    assert pacer.cap(in_flight=False, relaxed=False) is None
-    assert pacer.queue_timeout(None) == IDLE_WAIT_S and pacer.queue_timeout(MAX_BACKOFF_S) is None
-    assert pacer.cap(in_flight=True, relaxed=False) == MAX_BACKOFF_S
-    assert pacer.cap(in_flight=False, relaxed=True) == RELAXED_POLL_S
+    now = time.monotonic()
+    assert pacer.cap(in_flight=False, relaxed=False, now=now) == IDLE_WAIT_S
+    assert pacer.cap(in_flight=True, relaxed=False, now=now) == MAX_BACKOFF_S
+    assert pacer.cap(in_flight=False, relaxed=True, now=now) == RELAXED_POLL_S
     ledger = TransferLedger(Role.PREFILL)
     ledger.on_prefill_done("t", "r", [1], lease_deadline=time.time() + 30)
-    pacer.refresh(ledger)  # a finished prefill waits for its PushReg: latency-critical
-    assert pacer.live and pacer.urgent and pacer.cap(in_flight=False, relaxed=False) == MAX_BACKOFF_S
+    pacer.refresh(ledger)  # a finished prefill waits for D's PushReg, which rings: sleep on the doorbell
+    assert pacer.live and not pacer.urgent
+    assert pacer.cap(in_flight=False, relaxed=False, now=now) == WAITING_POLL_S
+    # A ring whose notification was not there yet: poll closely for a while, then sleep again.
+    pacer.after_round(now, sent=False, received=False, rang=True)
+    assert pacer.cap(in_flight=False, relaxed=False, now=now + GRACE_S / 2) == MAX_BACKOFF_S
+    assert pacer.cap(in_flight=False, relaxed=False, now=now + GRACE_S * 2) == WAITING_POLL_S
+    pacer.after_round(now, sent=False, received=True, rang=False)  # it came: no need to poll closely
+    assert pacer.cap(in_flight=False, relaxed=False, now=now) == WAITING_POLL_S
+    pacer.after_round(now, sent=True, received=True, rang=False)  # ours may need our progress to leave
+    assert pacer.cap(in_flight=False, relaxed=False, now=now) == MAX_BACKOFF_S
+    assert pacer.sleep_s(progressed=True, cap=MAX_BACKOFF_S) == 0.0
+    sleeps = [pacer.sleep_s(progressed=False, cap=MAX_BACKOFF_S) for _ in range(20)]
+    assert sleeps == sorted(sleeps) and sleeps[-1] == MAX_BACKOFF_S  # grows, capped
+    assert pacer.sleep_s(progressed=False, cap=WAITING_POLL_S) == WAITING_POLL_S
 
 
 def test_idle_workers_block_on_their_queue(pd):
     quiesce(*pd)
-    assert all(n.worker is not None and n.worker.poll_cap() is None for n in pd)
+    wait_until(lambda: all(n.worker is not None and n.worker.poll_cap() == IDLE_WAIT_S for n in pd), what="idle")
 
 
 def test_idle_after_a_completed_transfer(pd):
@@ -661,7 +682,7 @@ def test_idle_after_a_completed_transfer(pd):
     p.events.wait(FreeBlocks)
     quiesce(p, d)
     assert p.worker is not None and d.worker is not None
-    assert p.worker.poll_cap() is None and d.worker.poll_cap() is None
+    wait_until(lambda: p.worker.poll_cap() == d.worker.poll_cap() == IDLE_WAIT_S, what="both idle after grace")
 
 
 # ---- regressions: bugs found in the worker, each fixed -------------------------------------------
@@ -732,7 +753,7 @@ def test_idle_after_lease_expiry(cluster):
     p.worker.submit(hold(pr.new_transfer_id(), P_BLOCKS, lease_s=0.1, decode=None))
     p.events.wait(FreeBlocks)
     quiesce(p)
-    assert p.worker.poll_cap() is None
+    wait_until(lambda: p.worker.poll_cap() == IDLE_WAIT_S, what="idle after grace")
 
 
 def test_reconnect_after_disconnect(pd, monkeypatch):

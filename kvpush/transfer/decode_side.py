@@ -134,6 +134,6 @@ class DecodeSide:
             self.posted.emit(FreeBlocks(freed))
         return bool(freed)
 
-    def relaxed(self, live: bool) -> bool:
-        """D waits for its peer's prefill: the Done may come any time, poll every millisecond."""
-        return live
+    def relaxed(self) -> bool:
+        """Never: D waiting for its peers' Done sleeps on its doorbell (thread.py's Pacer)."""
+        return False

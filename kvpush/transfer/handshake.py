@@ -60,6 +60,7 @@ class HandshakeInfo(msgspec.Struct, frozen=True, kw_only=True):
     protocol_version: int = PROTOCOL_VERSION
     compat_hash: str
     compat_summary: str = ""  # human-readable compat fields, for error messages only
+    doorbell: str = ""  # "host:port" (UDP) the peer rings after sending us anything; "" = poll (doorbell.py)
 
 
 class _Envelope(msgspec.Struct, array_like=True):

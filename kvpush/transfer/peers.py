@@ -16,6 +16,7 @@ from kvpush.errors import HandshakeError, TransferError
 from kvpush.transfer import protocol as pr
 from kvpush.transfer.commands import AddPeer, PeerAddr, SendNotif
 from kvpush.transfer.descriptors import KVGeometry
+from kvpush.transfer.doorbell import Doorbell
 from kvpush.transfer.handshake import HandshakeInfo, pack, verify_and_decode
 from kvpush.transfer.kv_agent import KVAgent
 from kvpush.transfer.side_channel import request as side_request
@@ -26,14 +27,17 @@ log = logging.getLogger("kvpush.transfer")
 
 class Peers:
     def __init__(self, agent: KVAgent, info: HandshakeInfo, secret: str | None, metrics: TransferMetrics,
-                 faults: Faults, handshake_timeout_s: float) -> None:
+                 faults: Faults, handshake_timeout_s: float, doorbell: Doorbell) -> None:
         self.agent = agent
+        self.doorbell = doorbell
         self.info = info
         self.secret = secret
         self.metrics = metrics
         self.faults = faults
         self.handshake_timeout_s = handshake_timeout_s
         self.names: dict[str, str] = {}  # engine id -> agent name
+        self.bells: dict[str, tuple[int, tuple] | None] = {}  # agent name -> where to ring it
+        self.sent = False  # a notification left since the thread last looked (it may need our progress)
         self.delayed: list[tuple[float, int, str, pr.Message]] = []  # heap of notifications to send later
         self._delay_seq = 0
         self._rng = random.Random(f"{faults.seed}-{info.engine_id}")
@@ -62,12 +66,14 @@ class Peers:
         self._forget(info.engine_id, info.agent_name)
         name = self.agent.add_peer(info.agent_metadata, KVGeometry.from_info(info))
         self.names[info.engine_id] = name
+        self.bells[name] = Doorbell.resolve(info.doorbell) if info.doorbell else None
         self.metrics.handshakes += 1
         return name
 
     def _forget(self, engine_id: str, agent_name: str) -> None:
         """Drop a previous connection to the same peer (it disconnected and is handshaking anew)."""
         for name in {self.names.pop(engine_id, None), agent_name} - {None}:
+            self.bells.pop(name, None)  # type: ignore[arg-type]
             if name in self.agent.peers():
                 self.agent.remove_peer(name)
 
@@ -83,6 +89,10 @@ class Peers:
             if name == agent_name:
                 return engine_id
         return agent_name
+
+    def ring(self, agent_name: str) -> None:
+        """Tell the peer to look at its notifications now (we just sent or posted it something)."""
+        self.doorbell.ring(self.bells.get(agent_name))
 
     # ---- notifications ---------------------------------------------------------------------
     def send_notif(self, cmd: SendNotif) -> None:
@@ -115,6 +125,8 @@ class Peers:
             return
         try:
             self.agent.send_notif(name, pr.encode(msg))
+            self.sent = True
+            self.ring(name)
         except TransferError as e:
             log.warning("notification to %s failed: %s", engine_id, e)
 

@@ -217,8 +217,8 @@ class PrefillSide:
             del self.cancelled[tid]
         return False
 
-    def relaxed(self, live: bool) -> bool:
-        """Layer writes follow the forward pass and registrations may arrive: poll, but not tightly.
-        While P's own whole-request prefill runs, nothing needs P at once (a PushReg is matched
-        when the prefill ends, which wakes the thread through its queue): P stays idle."""
-        return self.layerwise is not None and bool(self.layerwise.transfers)
+    def relaxed(self) -> bool:
+        """Layer writes in flight progress only while polled, but the forward pass that feeds them
+        needs the GIL: poll them, not tightly. Everything else P waits for wakes the thread (the
+        engine's commands through its queue, D's registrations and READ ends by a doorbell ring)."""
+        return self.layerwise is not None and any(t.in_flight for t in self.layerwise.transfers.values())

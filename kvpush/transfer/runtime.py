@@ -21,6 +21,7 @@ from kvpush.engine.kv_connector import KVConnector
 from kvpush.errors import InvalidRequestError
 from kvpush.kv_cache import KVCache
 from kvpush.kv_params import DecodeLegParams, PrefillLegParams, RequestLegParams
+from kvpush.transfer.doorbell import Doorbell
 from kvpush.transfer.events import Event
 from kvpush.transfer.handshake import HandshakeInfo, compat_hash, compat_summary
 from kvpush.transfer.nixl_agent import NixlTransferAgent
@@ -61,23 +62,27 @@ class TransferRuntime:
                   config.kv_mode.value)
         self.side_channel = SideChannelServer(config.kv_host, config.kv_port, self._on_handshake,
                                               on_reject=self._count_rejected)
+        self.doorbell = Doorbell(self.side_channel.host)
         self.info = HandshakeInfo(
             engine_id=self.engine_id, role=role, agent_name=self.engine_id, agent_metadata=self.agent.metadata(),
             base_address=geometry.base_addr, num_blocks=geometry.num_blocks, num_layers=geometry.num_layers,
             block_bytes=geometry.block_bytes, layer_bytes=geometry.layer_bytes,
             memory_type=geometry.memory_type, device_id=geometry.device_id,
-            compat_hash=compat_hash(*fields), compat_summary=compat_summary(*fields))
+            compat_hash=compat_hash(*fields), compat_summary=compat_summary(*fields),
+            doorbell=f"{self._advertised_host()}:{self.doorbell.port}")
         self.thread = TransferThread(role, self.agent, self.info, config.kv_secret, self._emit, layout.block_size,
                                      faults=config.faults, layerwise=config.kv_mode is KVMode.PUSH_LAYERWISE,
-                                     quarantine_s=config.kv_quarantine_s)
+                                     quarantine_s=config.kv_quarantine_s, doorbell=self.doorbell)
 
     @property
     def kv_address(self) -> str:
         """host:port that peers connect to (published by /v1/kv_info)."""
+        return f"{self._advertised_host()}:{self.side_channel.port}"
+
+    def _advertised_host(self) -> str:
+        """Where peers reach this instance's side channel and doorbell."""
         host = self.config.kv_advertise_host or self.side_channel.host
-        if host in ("0.0.0.0", "::", ""):
-            host = socket.getfqdn()
-        return f"{host}:{self.side_channel.port}"
+        return socket.getfqdn() if host in ("0.0.0.0", "::", "") else host
 
     @property
     def mode(self) -> KVMode:

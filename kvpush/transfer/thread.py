@@ -24,11 +24,14 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, Protocol
 
+import msgspec
+
 from kvpush.config import Faults, Role
 from kvpush.errors import HandshakeError, TransferError
 from kvpush.transfer import protocol as pr
 from kvpush.transfer.commands import AddPeer, Command, SendNotif
 from kvpush.transfer.decode_side import DecodeSide
+from kvpush.transfer.doorbell import Doorbell
 from kvpush.transfer.events import Event
 from kvpush.transfer.handshake import HandshakeInfo, pack, verify_and_decode
 from kvpush.transfer.kv_agent import KVAgent, Transfer, XferStatus
@@ -40,10 +43,15 @@ from kvpush.transfer.prefill_side import PrefillSide
 from kvpush.transfer.stats import TransferMetrics, TransferStats
 
 log = logging.getLogger("kvpush.transfer")
-IDLE_WAIT_S = 0.2  # nothing outstanding: block on the command queue this long per round
+IDLE_WAIT_S = 0.2  # nothing live: sleep on the doorbell this long per round
+WAITING_POLL_S = 0.05  # live records wait for a peer: sleep on the doorbell, look anyway this often
 MAX_BACKOFF_S = 0.0005  # something latency-critical is outstanding: poll at least this often
-RELAXED_POLL_S = 0.001  # the role waits for its peer (D: a Done may come any time)
+RELAXED_POLL_S = 0.001  # P's layer-wise writes follow the forward pass
+GRACE_S = 0.02  # after a ring or any progress, poll tightly this long (a notification may trail its ring)
 HOUSEKEEPING_S = 0.01
+# Records in these states wait for something a doorbell announces (P: its prefill, a registration or
+# a READ's end; D: its peer's Done); any other live record is latency-critical work of this thread.
+PEER_WAIT_STATES = frozenset({S.REGISTERED, S.PREFILLED})
 
 
 class RoleSide(Protocol):
@@ -57,48 +65,69 @@ class RoleSide(Protocol):
     def fail(self, rec: TransferRecord, reason: str, confirmed: bool = False) -> None: ...
     def expired(self, rec: TransferRecord) -> None: ...
     def housekeeping(self, now: float) -> bool: ...
-    def relaxed(self, live: bool) -> bool: ...
+    def relaxed(self) -> bool: ...
 
 
 class Pacer:
-    """How long the loop waits between rounds: blocks on the command queue when idle, polls with
-    a short, growing sleep (capped) while something is outstanding."""
+    """How long the loop sleeps on its doorbell between rounds.
+
+        idle      no live record                      IDLE_WAIT_S (a command or a ring ends it)
+        waiting   live records all wait for a peer    WAITING_POLL_S (a safety net for a lost ring)
+        relaxed   P's layer-wise writes in flight     RELAXED_POLL_S
+        urgent    in flight, to post, or in grace     a short sleep growing to MAX_BACKOFF_S
+
+    Grace (GRACE_S of urgent polling) follows what may need this thread to call into NIXL soon:
+    a notification it sent (UCX may deliver it only on the sender's next progress call; measured
+    with nixl 1.5 over tcp and sm), and a ring whose notification was not there yet. A notification
+    read ends the grace of a ring, so a PushReg read during P's own prefill costs one round.
+    """
 
     def __init__(self) -> None:
         self.backoff = 0.0
         self.live = False  # some ledger record is not terminal (refreshed when anything changed)
         self.urgent = False  # some live record is latency-critical
+        self.grace_until = 0.0
 
     def refresh(self, ledger: TransferLedger) -> None:
         live = {state for state, n in ledger.count_by_state().items() if n and not state.is_terminal}
         self.live = bool(live)
-        # A REGISTERED record waits for a prefill to finish (P: its own; D: its peer's).
-        self.urgent = bool(live - {S.REGISTERED})
+        self.urgent = bool(live - PEER_WAIT_STATES)
 
-    def cap(self, in_flight: bool, relaxed: bool) -> float | None:
-        """Longest sleep between polls; None when idle (block on the command queue instead)."""
-        if in_flight or self.urgent:
+    def after_round(self, now: float, *, sent: bool, received: bool, rang: bool) -> None:
+        if sent or (rang and not received):
+            self.grace_until = now + GRACE_S
+        elif received:
+            self.grace_until = 0.0
+
+    def cap(self, in_flight: bool, relaxed: bool, now: float) -> float:
+        """Longest sleep before the next round."""
+        if in_flight or self.urgent or now < self.grace_until:
             return MAX_BACKOFF_S
-        return RELAXED_POLL_S if relaxed else None
+        if relaxed:
+            return RELAXED_POLL_S
+        return WAITING_POLL_S if self.live else IDLE_WAIT_S
 
-    def queue_timeout(self, cap: float | None) -> float | None:
-        """How long the round's first command read may block (None: do not block)."""
-        return IDLE_WAIT_S if cap is None else None
-
-    def after_round(self, progressed: bool, cap: float | None) -> None:
-        if progressed or cap is None:
+    def sleep_s(self, progressed: bool, cap: float) -> float:
+        """The next wait: none right after progress; growing up to a tight cap; else the whole cap."""
+        if progressed:
             self.backoff = 0.0
-            return
+            return 0.0
+        if cap > RELAXED_POLL_S:
+            return cap
         self.backoff = min(cap, self.backoff * 2 or 0.00002)
-        time.sleep(self.backoff)
+        return self.backoff
 
 
 class TransferThread(threading.Thread):
     def __init__(self, role: Role, agent: KVAgent, info: HandshakeInfo, secret: str | None,
                  emit: Callable[[Event], None], block_size: int, *, handshake_timeout_s: float = 5.0,
-                 faults: Faults | None = None, layerwise: bool = False, quarantine_s: float | None = None) -> None:
+                 faults: Faults | None = None, layerwise: bool = False, quarantine_s: float | None = None,
+                 doorbell: Doorbell | None = None) -> None:
         super().__init__(name=f"kvpush-transfer-{role.value}", daemon=True)
         self.agent = agent
+        self.doorbell = doorbell or Doorbell()
+        if not info.doorbell:  # the caller let the thread make its own: publish it
+            info = msgspec.structs.replace(info, doorbell=f"127.0.0.1:{self.doorbell.port}")
         self.info = info
         self.secret = secret
         self.handshake_timeout_s = handshake_timeout_s
@@ -106,7 +135,8 @@ class TransferThread(threading.Thread):
         if quarantine_s is not None:
             self.ledger.quarantine_s = quarantine_s
         self.metrics = TransferMetrics()
-        self.peers = Peers(agent, info, secret, self.metrics, faults or Faults(), handshake_timeout_s)
+        self.peers = Peers(agent, info, secret, self.metrics, faults or Faults(), handshake_timeout_s,
+                           self.doorbell)
         self.posted = Posted(agent, self.ledger, self.metrics, emit, block_size)
         self.side: RoleSide = (PrefillSide(self.posted, self.peers, layerwise) if role is Role.PREFILL
                                else DecodeSide(self.posted, self.peers))
@@ -116,19 +146,21 @@ class TransferThread(threading.Thread):
         self.pacer = Pacer()
         self._stopping = threading.Event()  # not `_stop`: that name is Thread's own
         self._last_housekeeping = 0.0
+        self._received = False  # this round read a notification
         self.rounds = 0  # loop rounds run (what a test waits on to know the thread caught up)
 
     # ---- thread API (any thread) -----------------------------------------------------------
     def submit(self, command: Command) -> None:
         self.commands.put(command)
+        self.doorbell.wake()
 
     def stop(self) -> None:
         self._stopping.set()
-        self.commands.put(None)
+        self.doorbell.wake()
 
     def wake(self) -> None:
-        """Start a loop round now if the thread is waiting idle."""
-        self.commands.put(None)
+        """Start a loop round now if the thread is waiting."""
+        self.doorbell.wake()
 
     def handle_handshake(self, frame: bytes) -> bytes:
         """Side-channel thread: verify a peer's handshake, have this thread add it, answer ours."""
@@ -147,29 +179,38 @@ class TransferThread(threading.Thread):
 
     # ---- loop ------------------------------------------------------------------------------
     def run(self) -> None:
-        cpu0 = time.thread_time()
+        cpu0, rang = time.thread_time(), False
         while not self._stopping.is_set():
-            cap = self.poll_cap()
+            self._received = False
             try:
-                progressed = self._round(self.pacer.queue_timeout(cap))
+                progressed = self._round()
             except (TransferError, ValueError) as e:  # never let one bad transfer stop the thread
                 log.error("transfer thread: %s", e)
                 progressed = True
+            now = time.monotonic()
             if progressed:
                 self.pacer.refresh(self.ledger)
+            self.pacer.after_round(now, sent=self.peers.sent, received=self._received, rang=rang)
+            self.peers.sent = False
             self.metrics.thread_cpu_s = time.thread_time() - cpu0
-            self.pacer.after_round(progressed, cap)
+            wait_s = self.pacer.sleep_s(progressed, self.poll_cap(now))
+            rang = wait_s > 0 and self.doorbell.wait(wait_s)
             self.rounds += 1
         self.agent.close()
+        self.doorbell.close()
 
-    def poll_cap(self) -> float | None:
-        """The longest sleep between rounds now; None: idle, the thread blocks on its queue."""
-        return self.pacer.cap(bool(self.posted) or bool(self.peers.delayed), self.side.relaxed(self.pacer.live))
+    def poll_cap(self, now: float | None = None) -> float:
+        """The longest sleep between rounds now."""
+        in_flight = bool(self.posted) or bool(self.peers.delayed)
+        return self.pacer.cap(in_flight, self.side.relaxed(), time.monotonic() if now is None else now)
 
-    def _round(self, wait_s: float | None) -> bool:
-        progressed = self._drain(wait_s)
+    def _round(self) -> bool:
+        progressed = self._drain()
         for tid, transfer, state in self.posted.poll():
             self.side.transfer_ended(tid, transfer, state)
+            if transfer.notif:  # its notification left with it: have the peer look, help it leave
+                self.peers.ring(transfer.peer)
+                self.peers.sent = True
             progressed = True
         progressed |= self.side.poll()
         progressed |= self._poll_notifs()
@@ -177,15 +218,14 @@ class TransferThread(threading.Thread):
         progressed |= self.peers.send_delayed()
         return progressed
 
-    def _drain(self, wait_s: float | None) -> bool:
+    def _drain(self) -> bool:
         progressed = False
         try:
-            cmd = self.commands.get(timeout=wait_s) if wait_s else self.commands.get_nowait()
             while True:
+                cmd = self.commands.get_nowait()
                 if cmd is not None:
                     self._handle(cmd)
                     progressed = True
-                cmd = self.commands.get_nowait()
         except queue.Empty:
             return progressed
 
@@ -221,6 +261,7 @@ class TransferThread(threading.Thread):
                     log.warning("bad control message from %s: %s", agent_name, e)
                 continue
             self.side.on_message(msg, self.peers.engine_of(agent_name))
+        self._received |= bool(notifs)
         return bool(notifs)
 
     def _housekeeping(self) -> bool:
