@@ -2,12 +2,15 @@
 
     python benchmarks/push_vs_pull.py [--rates 0.5 1 2 4] [--num-prompts 50] [--repeats 4]
                                       [--input-len 512] [--output-len 32] [--result-dir DIR] [--no-pin]
+    python benchmarks/push_vs_pull.py --modes pull push --capacity-fractions 0.5 0.8 --output-len 128
 
 Starts a colocated server and a 1P1D deployment per KV mode on the bench-preset model, runs every
 mode at every rate (modes alternating on the same prompts within a repeat), and writes run JSONs,
 comparison.md and PNG plots under the result directory. By default P and D are pinned to separate
 halves of the cores (`kvpush up --pin`) and each cell gets 50 x 4 = 200 requests, enough for a
-stable p99; push/pull ratios come with 95% bootstrap intervals and a verdict.
+stable p99; push/pull ratios come with 95% bootstrap intervals and a verdict. With
+--capacity-fractions the rates are fractions of the 1P1D capacity, measured first (every request
+sent at once to each disaggregated deployment; the slower one's completed req/s).
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=4, help="repeats x num-prompts = requests per cell (200: stable p99)")
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=32)
+    ap.add_argument("--capacity-fractions", type=float, nargs="+", default=[],
+                    help="instead of --rates: fractions of the 1P1D capacity measured first (e.g. 0.5 0.8)")
     ap.add_argument("--modes", nargs="+", default=["colocated", "pull", "push"])
     ap.add_argument("--result-dir", default="kvpush-results/push_vs_pull")
     ap.add_argument("--no-pin", action="store_true", help="let P and D share cores (default: pinned, kvpush up --pin)")
@@ -35,7 +40,8 @@ def main() -> None:
     run_suite(SuiteConfig(model=model, modes=tuple(args.modes), rates=tuple(args.rates),
                           num_prompts=args.num_prompts, repeats=args.repeats, input_len=args.input_len,
                           output_len=args.output_len, result_dir=args.result_dir,
-                          serve_args=["--torch-threads", "1"], pin=not args.no_pin))
+                          serve_args=["--torch-threads", "1"], pin=not args.no_pin,
+                          capacity_fractions=tuple(args.capacity_fractions)))
 
 
 if __name__ == "__main__":

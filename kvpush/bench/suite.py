@@ -41,6 +41,9 @@ class SuiteConfig:
     serve_args: list[str] = field(default_factory=list)
     vocab_size: int = 8192
     idle_probe_s: float = 3.0
+    # Non-empty: the rates are these fractions of the measured 1P1D capacity (see measure_capacity).
+    capacity_fractions: tuple[float, ...] = ()
+    capacity_prompts: int = 48
     progress: bool = False
     pin: bool = False  # P and D on separate halves of the cores (see kvpush.placement)
 
@@ -130,6 +133,20 @@ def bench_args(cfg: SuiteConfig, url: str, mode: str, rate: float, seed: int) ->
     ])
 
 
+def measure_capacity(cfg: SuiteConfig, fleet: Fleet) -> float:
+    """Completed requests per second of the slowest 1P1D deployment when every request is sent at
+    once (cfg.capacity_prompts of them, the suite's lengths): the rate both modes can sustain."""
+    measured = []
+    for mode in fleet.deployments:
+        args = bench_args(cfg, fleet.urls[mode], mode, float("inf"), cfg.seed + 999_999)
+        args.num_prompts, args.result_dir = cfg.capacity_prompts, os.path.join(cfg.result_dir, "capacity")
+        doc, _ = bench_cli._one_run(args, 0, float("inf"), cfg.model)
+        measured.append(float(doc["metrics"]["request_throughput"]))
+    if not measured:
+        raise ValueError("capacity fractions need a disaggregated mode (push or pull)")
+    return min(measured)
+
+
 def run_suite(cfg: SuiteConfig) -> tuple[list[Path], Path, list[Path]]:
     """Measure every mode at every rate; returns (run files, comparison table, plots)."""
     Path(cfg.result_dir).mkdir(parents=True, exist_ok=True)
@@ -144,8 +161,14 @@ def run_suite(cfg: SuiteConfig) -> tuple[list[Path], Path, list[Path]]:
     try:
         cpu = idle_cpu(fleet, cfg.idle_probe_s)
         print("idle CPU (share of one core): " + ", ".join(f"{k} {v:.1%}" for k, v in cpu.items()), flush=True)
+        rates = cfg.rates
+        if cfg.capacity_fractions:
+            capacity = measure_capacity(cfg, fleet)
+            rates = tuple(round(f * capacity, 3) for f in cfg.capacity_fractions)
+            print(f"1P1D capacity {capacity:.2f} req/s -> rates " + ", ".join(
+                f"{r} ({f:.0%})" for r, f in zip(rates, cfg.capacity_fractions, strict=True)), flush=True)
         for rep in range(cfg.repeats):
-            for k, rate in enumerate(cfg.rates):
+            for k, rate in enumerate(rates):
                 order = cfg.modes[rep % len(cfg.modes):] + cfg.modes[: rep % len(cfg.modes)]
                 seed = cfg.seed + 1000 * rep + k
                 for mode in order:
