@@ -37,6 +37,7 @@ from kvpush.transfer.ledger import TransferState as S
 from kvpush.transfer.peers import Peers
 from kvpush.transfer.posted import Posted
 from kvpush.transfer.prefill_side import PrefillSide
+from kvpush.transfer.records import FailureKind
 from kvpush.transfer.stats import TransferMetrics, TransferStats
 
 log = logging.getLogger("kvpush.transfer")
@@ -44,6 +45,7 @@ IDLE_WAIT_S = 0.2  # nothing outstanding: block on the command queue this long p
 MAX_BACKOFF_S = 0.0005  # something latency-critical is outstanding: poll at least this often
 RELAXED_POLL_S = 0.001  # the role waits for its peer (D: a Done may come any time)
 HOUSEKEEPING_S = 0.01
+WIND_DOWN_S = 2.0  # stopping: how long posted transfers get to end before the agent closes
 
 
 class RoleSide(Protocol):
@@ -54,7 +56,8 @@ class RoleSide(Protocol):
     def on_message(self, msg: pr.Message, engine_id: str) -> None: ...
     def transfer_ended(self, tid: str, transfer: Transfer, state: XferStatus) -> None: ...
     def poll(self) -> bool: ...
-    def fail(self, rec: TransferRecord, reason: str, confirmed: bool = False) -> None: ...
+    def fail(self, rec: TransferRecord, reason: str, confirmed: bool = False,
+             kind: FailureKind = FailureKind.ERROR) -> None: ...
     def expired(self, rec: TransferRecord) -> None: ...
     def housekeeping(self, now: float) -> bool: ...
     def relaxed(self, live: bool) -> bool: ...
@@ -160,7 +163,28 @@ class TransferThread(threading.Thread):
             self.metrics.thread_cpu_s = time.thread_time() - cpu0
             self.pacer.after_round(progressed, cap)
             self.rounds += 1
+        self._wind_down()
         self.agent.close()
+
+    def _wind_down(self) -> None:
+        """Stopping (the instance shuts down): apply the commands still queued (Cancel of the requests
+        just aborted), fail every live transfer so that its peer hears of it now (D sends Abort; P sends
+        Fail once no WRITE of its own is in flight), and run rounds until posted transfers and delayed
+        notifications are done, at most WIND_DOWN_S."""
+        deadline = time.monotonic() + WIND_DOWN_S
+        try:
+            self._drain(None)
+            for rec in self.ledger.records():
+                if not rec.is_terminal:
+                    self.side.fail(rec, "the peer instance shut down", kind=FailureKind.SHUTDOWN)
+            self.pacer.refresh(self.ledger)
+            while (cap := self.poll_cap()) is not None and time.monotonic() < deadline:
+                progressed = self._round(None)
+                self.pacer.refresh(self.ledger)
+                self.pacer.after_round(progressed, cap)
+            self.agent.get_notifs()  # one more progress call: what was just sent goes out
+        except (TransferError, ValueError) as e:
+            log.error("transfer thread, stopping: %s", e)
 
     def poll_cap(self) -> float | None:
         """The longest sleep between rounds now; None: idle, the thread blocks on its queue."""
