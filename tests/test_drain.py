@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import threading
 import urllib.error
@@ -81,24 +82,26 @@ def exit_code(proc, timeout: float) -> int:
 
 
 @pytest.fixture
-def cluster(tiny_model, tmp_path):
-    made: list[Cluster] = []
-
-    def make(mode: str, **kwargs) -> Cluster:
-        c = Cluster(tiny_model, mode, tmp_path, **kwargs)
-        made.append(c)
-        return c.wait()
-
-    yield make
-    for c in made:
+def deployment(tiny_model, tmp_path):
+    """1P2D push and a proxy: D1 drains gracefully (60 s), D2 runs one request at a time and drains
+    for 1 s only; P's lease is long, so only a peer's message frees its blocks during the test."""
+    c = Cluster(tiny_model, "push", tmp_path, extra_prefill=("--kv-lease-s", "120"),
+                extra_decode=("--shutdown-timeout", "60"))
+    try:
+        c.decodes.append(c._serve(tiny_model, "decode", "push", tmp_path,
+                                  ("--max-num-seqs", "1", "--shutdown-timeout", "1")))
+        c.wait()
+        yield c, c.proxy()
+    finally:
         c.stop()
 
 
-def test_sigterm_drains_decode_streams_and_proxy_moves_on(cluster, reference):
-    c = cluster("push", decode=2, extra_decode=("--shutdown-timeout", "60"))
-    proxy, d1, d2 = c.proxy(), c.decodes[0], c.decodes[1]
+def test_drain_on_sigterm(deployment, reference):
+    c, proxy = deployment
+    p, d1, d2 = c.prefills[0], c.decodes[0], c.decodes[1]
+    # ---- D1 drains: its running streams complete, new requests go to D2 --------------------------
     prompts = [prompt_of(2 * BS + i, 40 + i) for i in range(4)]
-    max_tokens = 600
+    max_tokens = 300
     threads, results = start_streams(proxy.url, prompts, max_tokens)  # round-robin: two on each D
     wait_for(lambda: metric(d1.url, "kvpush_num_requests_running") >= 1, 30, "streams decoding on D1")
     sigterm(d1)
@@ -109,40 +112,37 @@ def test_sigterm_drains_decode_streams_and_proxy_moves_on(cluster, reference):
     wait_for(lambda: metric_or(proxy.url, f'kvpush_proxy_instance_draining{{role="decode",url="{d1.url}"}}') == 1,
              10, "the proxy knows D1 drains")
     retries = metric_or(proxy.url, 'kvpush_proxy_draining_retries_total{role="decode"}')
-    for i in range(4):  # every new request goes to D2 (a leg D1 refused would count as a retry)
-        p = prompt_of(BS + i, 60 + i)
-        status, out = post(proxy.url + "/v1/completions", {"prompt": p, "max_tokens": 8, "temperature": 0,
+    for i in range(3):  # every new request goes to D2 (a leg D1 refused would count as a retry)
+        prompt = prompt_of(BS + i, 60 + i)
+        status, out = post(proxy.url + "/v1/completions", {"prompt": prompt, "max_tokens": 8, "temperature": 0,
                                                           "ignore_eos": True})
-        assert status == 200 and out["choices"][0]["text"] == reference(p)[1], out
+        assert status == 200 and out["choices"][0]["text"] == reference(prompt)[1], out
     assert metric_or(proxy.url, 'kvpush_proxy_draining_retries_total{role="decode"}') == retries
     for t in threads:
         t.join(120)
-    for p, r in zip(prompts, results, strict=True):  # the streams D1 was running completed, byte for byte
+    for prompt, r in zip(prompts, results, strict=True):  # all streams completed, byte for byte
         assert r["error"] is None and r["finish"] == "length" and r["done"], r
-        assert r["text"] == reference(p, max_tokens)[1]
+        assert r["text"] == reference(prompt, max_tokens)[1]
     assert exit_code(d1, 30) == 0
-    assert metric(d2.url, "kvpush_kv_local_fallbacks_total") == 0
+    log = open(d1.log_path).read()
+    assert re.search(r"draining: [1-9]\d* requests in flight", log) and "drained in" in log, log[-2000:]
 
-
-def test_shutdown_timeout_ends_requests_and_tells_prefill(cluster):
-    """The drain outlasts --shutdown-timeout: the running stream ends with an error event, the request
-    still waiting for D's blocks gets a 503, and P frees the KV it held for it at once."""
-    slow = ("--kv-lease-s", "120", "--kv-timeout-s", "120")
-    c = cluster("pull", extra_prefill=slow, extra_decode=(*slow, "--max-num-seqs", "1", "--shutdown-timeout", "1"))
-    proxy, p, d = c.proxy(), c.prefills[0], c.decodes[0]
+    # ---- D2's drain outlasts --shutdown-timeout 1 -------------------------------------------------
+    # The running stream ends with an error event, the request still waiting for D2's only slot gets a
+    # 503, and P frees the KV it held for that request at once: D2 told it (Abort).
     (hog,), (hog_out,) = start_streams(proxy.url, [prompt_of(BS, 70)], 3500)
-    wait_for(lambda: metric(d.url, "kvpush_num_requests_running") == 1, 30, "the hog decodes on D")
+    wait_for(lambda: metric(d2.url, "kvpush_num_requests_running") == 1, 30, "the hog decodes on D2")
     (waiter,), (waiter_out,) = start_streams(proxy.url, [prompt_of(3 * BS, 71)], 8)
-    wait_for(lambda: metric(d.url, "kvpush_num_requests_waiting") == 1, 30, "the waiter queues on D")
+    wait_for(lambda: metric(d2.url, "kvpush_num_requests_waiting") == 1, 30, "the waiter queues on D2")
     wait_for(lambda: metric(p.url, 'kvpush_kv_transfers{state="prefilled"}') == 1, 10, "P holds the waiter's KV")
-    sigterm(d)
+    assert metric(d2.url, "kvpush_kv_local_fallbacks_total") == 0
+    sigterm(d2)
     hog.join(60)
     waiter.join(60)
     assert hog_out["chunks"] > 0 and hog_out["finish"] is None and hog_out["done"], hog_out
     assert "shut down" in hog_out["error"]["message"], hog_out  # an error event, not a stream that looks complete
     assert waiter_out["status"] == 503 and "shut down" in waiter_out["error"]["message"], waiter_out
-    assert exit_code(d, 30) == 0
-    # D told P (Abort): P frees now, long before its 120 s lease would have
+    assert exit_code(d2, 30) == 0
     wait_for(lambda: metric(p.url, "kvpush_kv_blocks_used") == 0, 10, "P frees the waiter's blocks")
     assert all(metric_or(p.url, f'kvpush_kv_transfers{{state="{s}"}}') == 0 for s in LIVE)
     assert metric(p.url, 'kvpush_kv_transfer_failures_total{reason="peer_abort"}') == 1
