@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from test_transfer_worker import (  # noqa: F401 - `cluster` and `pd` are fixtures
+from test_transfer_worker import (  # noqa: F401 - `cluster` and `pd` are fixtures (F811 below: their use)
     D_AGENT,
     D_BLOCKS,
     D_ENGINE,
@@ -58,7 +58,7 @@ def test_failures_are_counted_by_reason() -> None:
     assert d.counters.failures[K.POSTED_LATE] == 1
 
 
-def test_read_posted_too_late_keeps_d_blocks_until_it_ends(pd) -> None:
+def test_read_posted_too_late_keeps_d_blocks_until_it_ends(pd) -> None:  # noqa: F811
     """Pull: D's READ is posted after its deadline (a slow post). D fails the transfer and P answers
     D's Abort with Fail, but D's own READ is still in flight: no block may come back before it ends."""
     p, d = pd
@@ -70,7 +70,9 @@ def test_read_posted_too_late_keeps_d_blocks_until_it_ends(pd) -> None:
     d.worker.submit(Read(tid, "req-d", P_ADDR, D_BLOCKS, P_BLOCKS, 11, time.time() + 0.1))
     d.events.wait(KVFailed, tid)
     wait_until(lambda: rec_state(p, tid) is S.FAILED, what="P applies D's Abort (and acks it)")
-    quiesce(p, d)
+    wait_until(lambda: counters(d).duplicates + counters(d).confirmations, what="D applies P's ack")
+    acked = time.monotonic()
+    wait_until(lambda: d.worker._last_housekeeping > acked, what="D's housekeeping after the ack")
     released_early = d.events.of(FreeBlocks)
     d.agent.finish_delayed()
     assert released_early == [], "D released blocks its own late READ still writes into"
@@ -79,7 +81,7 @@ def test_read_posted_too_late_keeps_d_blocks_until_it_ends(pd) -> None:
     assert counters(d).failures[K.POSTED_LATE] == 1
 
 
-def test_stopping_decode_aborts_its_live_transfers(cluster: Cluster) -> None:
+def test_stopping_decode_aborts_its_live_transfers(cluster: Cluster) -> None:  # noqa: F811
     p = cluster.node(Role.PREFILL, P_ENGINE, P_AGENT, worker=False, seed=1)  # a bare agent: read its inbox
     d = cluster.node(Role.DECODE, D_ENGINE, D_AGENT, seed=2)
     add_peer(d, p)
@@ -94,7 +96,7 @@ def test_stopping_decode_aborts_its_live_transfers(cluster: Cluster) -> None:
     assert counters(d).failures[K.SHUTDOWN] == 1
 
 
-def test_stopping_prefill_fails_held_transfers_after_its_write_ended(cluster: Cluster) -> None:
+def test_stopping_prefill_fails_held_transfers_after_its_write_ended(cluster: Cluster) -> None:  # noqa: F811
     p = cluster.node(Role.PREFILL, P_ENGINE, P_AGENT, seed=1)
     d = cluster.node(Role.DECODE, D_ENGINE, D_AGENT, worker=False, seed=2)
     add_peer(p, d)
