@@ -20,7 +20,6 @@ from test_transfer_worker import (  # noqa: F401 - `cluster` and `pd` are fixtur
     hold,
     join,
     pd,
-    quiesce,
     rec_state,
     register,
     wait_until,
