@@ -44,6 +44,7 @@ class Tally:
     truncated: list[str] = field(default_factory=list)  # no finish_reason or no [DONE]
     wrong: list[str] = field(default_factory=list)  # text differs from colocated
     fallbacks: int = 0  # kv_fallback_local in the trace
+    complete: list[tuple[str, list[int], str]] = field(default_factory=list)  # (tag, prompt, text) to compare
 
 
 class Deployment:
@@ -79,7 +80,7 @@ class Deployment:
 
 
 async def stream_one(session: aiohttp.ClientSession, url: str, prompt: list[int], max_tokens: int,
-                     expected: str, tally: Tally) -> None:
+                     tally: Tally) -> None:
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
     text, finish, done, tag = "", None, False, f"#{tally.sent}"
     try:
@@ -105,10 +106,19 @@ async def stream_one(session: aiohttp.ClientSession, url: str, prompt: list[int]
         return
     if finish is None or not done:
         tally.truncated.append(f"{tag}: {len(text)} chars, finish {finish}, [DONE] {done}")
-    elif text != expected:
-        tally.wrong.append(f"{tag}: {text[:40]!r} != {expected[:40]!r}")
     else:
-        tally.ok += 1
+        tally.complete.append((tag, prompt, text))
+
+
+def compare(tally: Tally, llm: LLM, max_tokens: int) -> None:
+    """Every complete stream against the offline engine's greedy text (after the run: off the load's clock)."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    outs = llm.generate([prompt for _, prompt, _ in tally.complete], params) if tally.complete else []
+    for (tag, _, text), out in zip(tally.complete, outs, strict=True):
+        if text == out.text:
+            tally.ok += 1
+        else:
+            tally.wrong.append(f"{tag}: {text[:40]!r} != {out.text[:40]!r}")
 
 
 async def drain(dep: Deployment, old: str, new: str, events: list[str]) -> None:
@@ -147,11 +157,8 @@ async def run_mode(model: str, mode: str, args: argparse.Namespace, llm: LLM) ->
             async def load(session: aiohttp.ClientSession) -> None:
                 while not stop.is_set():
                     prompt = [rng.randrange(3, 1000) for _ in range(args.input_len)]
-                    params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
-                    expected = llm.generate([prompt], params)[0].text
                     tally.sent += 1
-                    tasks.append(asyncio.create_task(
-                        stream_one(session, dep.proxy.url, prompt, args.max_tokens, expected, tally)))
+                    tasks.append(asyncio.create_task(stream_one(session, dep.proxy.url, prompt, args.max_tokens, tally)))
                     try:
                         await asyncio.wait_for(stop.wait(), rng.expovariate(args.rate))
                     except TimeoutError:
@@ -169,6 +176,7 @@ async def run_mode(model: str, mode: str, args: argparse.Namespace, llm: LLM) ->
                 await asyncio.gather(*tasks)
         finally:
             dep.stop()
+    compare(tally, llm, args.max_tokens)
     return tally, events
 
 

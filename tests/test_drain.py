@@ -111,13 +111,13 @@ def test_drain_on_sigterm(deployment, reference):
     assert status == 503 and out["error"]["code"] == "draining" and "draining" in out["error"]["message"], out
     wait_for(lambda: metric_or(proxy.url, f'kvpush_proxy_instance_draining{{role="decode",url="{d1.url}"}}') == 1,
              10, "the proxy knows D1 drains")
-    retries = metric_or(proxy.url, 'kvpush_proxy_draining_retries_total{role="decode"}')
+    retries = metric_or(proxy.url, 'kvpush_proxy_rerouted_total{role="decode",reason="draining"}')
     for i in range(3):  # every new request goes to D2 (a leg D1 refused would count as a retry)
         prompt = prompt_of(BS + i, 60 + i)
         status, out = post(proxy.url + "/v1/completions", {"prompt": prompt, "max_tokens": 8, "temperature": 0,
                                                           "ignore_eos": True})
         assert status == 200 and out["choices"][0]["text"] == reference(prompt)[1], out
-    assert metric_or(proxy.url, 'kvpush_proxy_draining_retries_total{role="decode"}') == retries
+    assert metric_or(proxy.url, 'kvpush_proxy_rerouted_total{role="decode",reason="draining"}') == retries
     for t in threads:
         t.join(120)
     for prompt, r in zip(prompts, results, strict=True):  # all streams completed, byte for byte

@@ -12,7 +12,8 @@ cancelled; a client that disconnects cancels both legs (their instances abort th
 Instances are re-probed (GET /v1/kv_info) every second: a restarted instance rejoins with its
 new engine id; an unreachable one is skipped until it answers again. A draining instance (SIGTERM;
 its kv_info says so, or it refused a leg with code "draining") is not chosen again until it says
-otherwise; a leg it refused goes to another instance (D: pull keeps P's prefill, push dispatches anew).
+otherwise; a leg it refused, or a D leg that could not even connect, goes to another instance (D: pull
+keeps P's prefill, push dispatches both legs anew).
 """
 
 from __future__ import annotations
@@ -77,12 +78,14 @@ class LegError(Exception):
         self.body = body
 
 
-class DecodeDraining(Exception):
-    """The decode instance refused the leg because it is draining: worth another decode instance."""
+class DecodeUnavailable(Exception):
+    """The decode instance refused the leg because it drains, or could not be connected to: nothing
+    was sent to it, so another decode instance may serve the request."""
 
-    def __init__(self, error: LegError) -> None:
+    def __init__(self, error: LegError, reason: str) -> None:
         super().__init__(str(error))
         self.error = error
+        self.reason = reason
 
 
 class PrefillFailed(Exception):
@@ -260,10 +263,10 @@ class Proxy:
                 log.warning("prefill %s failed (%s); retrying elsewhere", d.prefill.url, e.error)
                 if not any(i.usable and i.url not in tried for i in self.prefills):
                     raise e.error from None
-            except DecodeDraining as e:  # push: P's leg was cancelled with it; dispatch both anew
+            except DecodeUnavailable as e:  # push: P's leg was cancelled with it; dispatch both anew
                 self.end_leg(d)
                 tried.add(d.decode.url)
-                self.metrics.draining_retries.labels(role="decode").inc()
+                self.metrics.rerouted.labels(role="decode", reason=e.reason).inc()
                 if not any(i.usable and i.url not in tried for i in self.decodes):
                     raise e.error from None
             except BaseException:
@@ -306,9 +309,9 @@ class Proxy:
         while True:
             try:
                 return await self._open_decode(path, body, self._decode_params(d, result), d)
-            except DecodeDraining as e:  # P holds the KV under its lease: another D can READ it
+            except DecodeUnavailable as e:  # P holds the KV under its lease: another D can READ it
                 tried.add(d.decode.url)
-                self.metrics.draining_retries.labels(role="decode").inc()
+                self.metrics.rerouted.labels(role="decode", reason=e.reason).inc()
                 try:
                     other = self.pick(self.decodes, "decode", tried)
                 except web.HTTPServiceUnavailable:
@@ -335,7 +338,7 @@ class Proxy:
                 data = await r.read()
                 if r.status >= 500:
                     if d.prefill.refused(r.status, data):
-                        self.metrics.draining_retries.labels(role="prefill").inc()
+                        self.metrics.rerouted.labels(role="prefill", reason="draining").inc()
                     raise PrefillFailed(LegError(r.status, data))
                 if r.status != 200:
                     raise LegError(r.status, data)
@@ -362,12 +365,15 @@ class Proxy:
         except aiohttp.ClientError as e:
             d.decode.healthy = False
             message = f"decode instance {d.decode.url} unreachable: {e}"
-            raise LegError(502, json.dumps(R.error_body(502, message)).encode()) from e
+            error = LegError(502, json.dumps(R.error_body(502, message)).encode())
+            if isinstance(e, aiohttp.ClientConnectorError):  # not even connected (e.g. it just shut down)
+                raise DecodeUnavailable(error, "unreachable") from e
+            raise error from e
         if resp.status != 200:
             data = await resp.read()
             resp.release()
             if d.decode.refused(resp.status, data):
-                raise DecodeDraining(LegError(resp.status, data))
+                raise DecodeUnavailable(LegError(resp.status, data), "draining")
             raise LegError(resp.status, data)
         return resp
 
@@ -486,7 +492,7 @@ async def _cancel(*tasks: asyncio.Task) -> None:
             resp = await t
             if isinstance(resp, aiohttp.ClientResponse):
                 resp.close()
-        except (TimeoutError, asyncio.CancelledError, LegError, PrefillFailed, DecodeDraining, aiohttp.ClientError):
+        except (TimeoutError, asyncio.CancelledError, LegError, PrefillFailed, DecodeUnavailable, aiohttp.ClientError):
             pass  # the failure that made us cancel is reported by the caller
 
 

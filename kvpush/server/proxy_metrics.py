@@ -15,8 +15,9 @@ class ProxyMetrics:
                              ["role", "url"], registry=r)
         self.draining = Gauge("kvpush_proxy_instance_draining", "1 while the instance drains (not chosen)",
                               ["role", "url"], registry=r)
-        self.draining_retries = Counter("kvpush_proxy_draining_retries", "Legs re-sent elsewhere because the "
-                                        "instance answered that it is draining", ["role"], registry=r)
+        self.rerouted = Counter("kvpush_proxy_rerouted", "Legs sent to another instance before the first one got "
+                                "anything: it answered that it drains, or (decode) could not be connected to",
+                                ["role", "reason"], registry=r)
         self.in_flight = Gauge("kvpush_proxy_instance_in_flight", "Requests in flight per instance",
                                ["role", "url"], registry=r)
         self.served = Gauge("kvpush_proxy_instance_served", "Requests dispatched per instance",
