@@ -103,12 +103,18 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-waiting", type=int, default=_default(ServerConfig, "max_waiting"))
     g.add_argument("--cpus", default=None, metavar="LIST",
                    help="run this instance's processes and threads only on these CPUs, e.g. 0-3,6")
+    g.add_argument("--shutdown-timeout", type=float, default=_default(ServerConfig, "shutdown_timeout_s"),
+                   metavar="S", help="on SIGTERM: refuse new requests (503), let running ones finish for at "
+                   "most S seconds, then end the rest with an error and tell the peers")
 
 
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
-    return ServerConfig(host=args.host, port=args.port, role=Role(args.role), api_key=args.api_key,
-                        served_model_name=args.served_model_name, max_waiting=args.max_waiting,
-                        cpus=_cpus(args.cpus) if args.cpus else ())
+    try:
+        return ServerConfig(host=args.host, port=args.port, role=Role(args.role), api_key=args.api_key,
+                            served_model_name=args.served_model_name, max_waiting=args.max_waiting,
+                            cpus=_cpus(args.cpus) if args.cpus else (), shutdown_timeout_s=args.shutdown_timeout)
+    except ValueError as e:
+        raise SystemExit(f"kvpush: {e}") from e
 
 
 def _cpus(text: str) -> tuple[int, ...]:

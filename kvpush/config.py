@@ -95,6 +95,13 @@ class ServerConfig:
     max_waiting: int = 256
     cpus: tuple[int, ...] = ()  # --cpus: the instance's processes and threads run only there (empty: anywhere)
     request_timeout_s: float = 600.0
+    # SIGTERM: stop admitting, let running requests (and P's handed-over transfers) finish this long,
+    # then end the rest with an error and tell the peers. Keep a deployment's grace period above it.
+    shutdown_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.shutdown_timeout_s < 0:
+            raise ValueError(f"--shutdown-timeout must be >= 0, got {self.shutdown_timeout_s}")
 
 
 @dataclass(frozen=True)
@@ -109,9 +116,12 @@ class Faults:
     delay_notif_s: float = 0.0  # every standalone control notification is sent this much later
     fail_post: float = 0.0  # probability that posting a WRITE or READ fails
     delay_prefill_s: float = 0.0  # P admits each request only this long after it arrived
+    # The transfer thread sleeps this long between deciding to post a WRITE (P) or READ (D) and posting
+    # it (a stalled thread): the post starts after D's deadline or P's lease (the stale-WRITE test).
+    delay_post_s: float = 0.0
     seed: int = 0
 
-    NAMES = ("corrupt-kv", "drop-notif", "delay-notif", "fail-post", "delay-prefill", "fault-seed")
+    NAMES = ("corrupt-kv", "drop-notif", "delay-notif", "fail-post", "delay-prefill", "delay-post", "fault-seed")
 
     @classmethod
     def parse(cls, specs: list[str] | tuple[str, ...]) -> Faults:
@@ -128,7 +138,8 @@ class Faults:
                 value = float(raw)
             except ValueError as e:
                 raise ValueError(f"fault {name!r} needs a number, as in {name}:0.1") from e
-            key = {"delay-notif": "delay_notif_s", "delay-prefill": "delay_prefill_s", "fault-seed": "seed"}.get(
+            key = {"delay-notif": "delay_notif_s", "delay-prefill": "delay_prefill_s", "delay-post": "delay_post_s",
+                   "fault-seed": "seed"}.get(
                 name, name.replace("-", "_"))
             values[key] = int(value) if key == "seed" else value
         return cls(**values)  # type: ignore[arg-type]
@@ -137,7 +148,7 @@ class Faults:
         for name in ("drop_notif", "fail_post"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"fault {name.replace('_', '-')!r}: {getattr(self, name)} is not a probability")
-        for name in ("delay_notif_s", "delay_prefill_s"):
+        for name in ("delay_notif_s", "delay_prefill_s", "delay_post_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"fault {name.replace('_s', '').replace('_', '-')!r}: {getattr(self, name)} < 0")
 

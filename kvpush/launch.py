@@ -71,11 +71,14 @@ class ServerProcess:
         raise RuntimeError(f"server {self.argv} not healthy after {timeout_s} s; log: {self.log_path}")
 
     def stop(self, timeout_s: float = 15.0) -> None:
-        """SIGTERM the process group, then SIGKILL what is left. Idempotent."""
+        """Stop now: SIGTERM and SIGINT to the process group (a second signal cuts a server's drain short:
+        what still runs ends with an error and its peers are told), then SIGKILL what is left. Idempotent.
+        For a graceful drain, send one SIGTERM and wait (`kvpush serve --shutdown-timeout`)."""
         if self.proc is None:
             return
         pgid = self.proc.pid
         _signal_group(pgid, signal.SIGTERM)
+        _signal_group(pgid, signal.SIGINT)
         try:
             self.proc.wait(timeout_s)
         except subprocess.TimeoutExpired:

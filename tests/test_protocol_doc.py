@@ -13,7 +13,7 @@ import re
 
 import pytest
 
-from kvpush.config import ProxyConfig, Role, TransferConfig
+from kvpush.config import ProxyConfig, Role, ServerConfig, TransferConfig
 from kvpush.transfer import protocol as pr
 from kvpush.transfer.handshake import compat_summary
 from kvpush.transfer.ledger import TransferLedger
@@ -53,6 +53,11 @@ def test_transfer_defaults(facts: dict[str, str], starts: str, field: str) -> No
     value = _row(facts, starts)
     assert f"--{field.replace('_', '-')}" in [k for k in facts if k.startswith(starts)][0]
     assert _seconds(value) == getattr(TransferConfig(), field)
+
+
+def test_shutdown_timeout_default(facts: dict[str, str]) -> None:
+    assert "--shutdown-timeout" in [k for k in facts if k.startswith("drain after SIGTERM")][0]
+    assert _seconds(_row(facts, "drain after SIGTERM")) == ServerConfig().shutdown_timeout_s
 
 
 def test_handshake_timeout(facts: dict[str, str]) -> None:

@@ -24,6 +24,7 @@ from kvpush.errors import InvalidRequestError
 from kvpush.kv_params import RequestLegParams
 from kvpush.server import responses as R
 from kvpush.server import vllm_compat
+from kvpush.server.drain import Drain
 from kvpush.server.engine_client import EngineClient
 from kvpush.server.generation import EngineRequestError, Generator, GenEvent, GenState
 from kvpush.server.messages import KVInfo
@@ -43,11 +44,12 @@ class OpenAIServer:
         self.accepted_names = {self.model_name, model_path}
         self.metrics = ServerMetrics(self.model_name)
         self.generator = Generator(engine, tokenizer, self.metrics)
+        self.drain = Drain(engine, config.shutdown_timeout_s)
         self._ids = itertools.count()
         self.created = int(time.time())
 
     def build_app(self) -> web.Application:
-        app = web.Application(middlewares=[self.error_middleware, self.auth_middleware],
+        app = web.Application(middlewares=[self.error_middleware, self.auth_middleware, self.drain_middleware],
                               client_max_size=8 << 20)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
@@ -81,12 +83,27 @@ class OpenAIServer:
                 return self._error(401, "invalid or missing API key")
         return await handler(request)
 
-    def _error(self, status: int, message: str, param: str | None = None) -> web.Response:
+    @web.middleware
+    async def drain_middleware(self, request: web.Request, handler) -> web.StreamResponse:
+        """Draining (SIGTERM): new requests get 503 with code "draining"; running ones are counted."""
+        if request.method != "POST":
+            return await handler(request)
+        if self.drain.draining:
+            return self._error(503, self.drain.reason, code="draining")
+        self.drain.active += 1
+        try:
+            return await handler(request)
+        finally:
+            self.drain.active -= 1
+
+    def _error(self, status: int, message: str, param: str | None = None, code: str | None = None) -> web.Response:
         self.metrics.http_errors.labels(status=str(status)).inc()
-        return R.error_response(status, message, param)
+        return R.error_response(status, message, param, code)
 
     # ---- simple routes -------------------------------------------------------------------
     async def health(self, request: web.Request) -> web.Response:
+        if self.drain.draining:
+            return self._error(503, self.drain.reason, code="draining")
         if not self.engine.healthy:
             return self._error(503, "engine is not running")
         return web.Response(text="ok")
@@ -98,7 +115,7 @@ class OpenAIServer:
             return self._error(503, "engine is not running")
         host, _, port = (info.kv_address or ":0").rpartition(":")
         return R.json_response(KVInfo(info.engine_id, info.role, info.kv_mode, host or None, int(port) or None,
-                                      info.block_size, info.max_model_len))
+                                      info.block_size, info.max_model_len, draining=self.drain.draining))
 
     async def bootstrap_query(self, request: web.Request) -> web.Response:
         """A Mooncake-style bootstrap answer (engine id per data-parallel rank; kvpush has rank 0)."""

@@ -90,6 +90,16 @@ class EngineClient:
         if self.queues.pop(request_id, None) is not None:
             self._send(m.AbortRequest(request_id))
 
+    def fail_all(self, reason: str, status: int) -> int:
+        """End every open request now with an error (the handlers answer `status`, or an SSE error event
+        once streaming) and abort them in the core (its connectors tell the peers). Returns how many."""
+        open_ids = list(self.queues)
+        for rid in open_ids:
+            self.queues.pop(rid).put_nowait(m.RequestDelta(rid, [], finish_reason="error", error=reason,
+                                                           error_status=status))
+            self._send(m.AbortRequest(rid))
+        return len(open_ids)
+
     def _send(self, msg: m.ToCore) -> None:
         assert self._to_core is not None
         try:

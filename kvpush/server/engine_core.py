@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import time
 from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING
@@ -185,6 +186,10 @@ def build_engine(config: EngineConfig, role: Role, transfer: TransferConfig,
 def run_engine_core(config: EngineConfig, conn_in: Connection, conn_out: Connection,
                     role: Role = Role.COLOCATED, transfer: TransferConfig | None = None) -> None:
     """Entry point of the spawned engine-core process."""
+    # The API process owns the lifecycle (drain on SIGTERM, then Shutdown; EOF if it dies): a signal
+    # sent to the whole process group (Ctrl-C, kill -TERM -PGID) must not end the core mid-drain.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     waker = Waker()
     try:

@@ -88,6 +88,7 @@ class KVInfo(msgspec.Struct):
     kv_port: int | None
     block_size: int
     max_model_len: int
+    draining: bool = False  # SIGTERM received: finishing its requests, takes no new ones
 
 
 class CoreFailed(msgspec.Struct, tag=True):

@@ -49,6 +49,11 @@ class TransferCollector(Collector):
                                   value=t.faults_injected)
         yield CounterMetricFamily("kvpush_kv_local_fallbacks", "Decode requests computed locally after their KV "
                                   "transfer failed (--on-kv-failure recompute)", value=t.local_fallbacks)
+        failures = CounterMetricFamily("kvpush_kv_transfer_failures", "Transfers that ended failed or expired, "
+                                       "by reason", labels=["reason"])
+        for reason, n in sorted(t.failures.items()):
+            failures.add_metric([reason], n)
+        yield failures
         if t.time_s is not None:
             yield _histogram("kvpush_kv_transfer_seconds", "Post to completion of posted transfers", t.time_s)
         if t.descs is not None:

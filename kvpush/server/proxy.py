@@ -10,7 +10,10 @@ A completions request with several prompts is one such dispatch per prompt (prox
 If a leg fails, the client gets that leg's error (OpenAI error JSON) and the other leg is
 cancelled; a client that disconnects cancels both legs (their instances abort the requests).
 Instances are re-probed (GET /v1/kv_info) every second: a restarted instance rejoins with its
-new engine id; an unreachable one is skipped until it answers again.
+new engine id; an unreachable one is skipped until it answers again. A draining instance (SIGTERM;
+its kv_info says so, or it refused a leg with code "draining") is not chosen again until it says
+otherwise; a leg it refused, or a D leg that could not even connect, goes to another instance (D: pull
+keeps P's prefill, push dispatches both legs anew).
 """
 
 from __future__ import annotations
@@ -48,8 +51,22 @@ class Instance:
     kv_port: int | None = None
     kv_mode: str | None = None
     healthy: bool = False
+    draining: bool = False  # shutting down: finishes its requests, takes no new ones
     in_flight: int = 0
     served: int = 0
+
+    @property
+    def usable(self) -> bool:
+        return self.healthy and not self.draining
+
+    def refused(self, status: int, body: bytes) -> bool:
+        """The instance answered that it is draining (marked at once: it is not chosen again)."""
+        if status == 503 and _error_code(body) == "draining":
+            if not self.draining:
+                log.info("%s is draining: no new requests go there", self.url)
+            self.draining = True
+            return True
+        return False
 
 
 class LegError(Exception):
@@ -59,6 +76,16 @@ class LegError(Exception):
         super().__init__(f"leg failed with {status}")
         self.status = status
         self.body = body
+
+
+class DecodeUnavailable(Exception):
+    """The decode instance refused the leg because it drains, or could not be connected to: nothing
+    was sent to it, so another decode instance may serve the request."""
+
+    def __init__(self, error: LegError, reason: str) -> None:
+        super().__init__(str(error))
+        self.error = error
+        self.reason = reason
 
 
 class PrefillFailed(Exception):
@@ -112,7 +139,7 @@ class Proxy:
         self._prober = asyncio.create_task(self._probe_loop())
 
     def _ready(self) -> bool:
-        return any(i.healthy for i in self.prefills) and any(i.healthy for i in self.decodes)
+        return any(i.usable for i in self.prefills) and any(i.usable for i in self.decodes)
 
     async def close(self) -> None:
         if self._prober is not None:
@@ -145,13 +172,15 @@ class Proxy:
             return
         if inst.engine_id and info.engine_id != inst.engine_id:
             log.info("%s restarted: engine %s -> %s", inst.url, inst.engine_id, info.engine_id)
-        inst.healthy = True
+        if info.draining != inst.draining:
+            log.info("%s %s", inst.url, "is draining: no new requests go there" if info.draining else "serves again")
+        inst.healthy, inst.draining = True, info.draining
         inst.engine_id, inst.kv_host, inst.kv_port, inst.kv_mode = (info.engine_id, info.kv_host, info.kv_port,
                                                                     info.kv_mode)
 
     # ---- choosing ------------------------------------------------------------------------
     def pick(self, pool: list[Instance], role: str, exclude: set[str] | None = None) -> Instance:
-        healthy = [i for i in pool if i.healthy and i.url not in (exclude or ())]
+        healthy = [i for i in pool if i.usable and i.url not in (exclude or ())]
         if not healthy:
             raise web.HTTPServiceUnavailable(reason=f"no healthy {role} instance")
         if self.config.policy == "least-loaded":
@@ -217,7 +246,7 @@ class Proxy:
         prefill instance, as transfer `<transfer_id>.<attempt>`. The caller must `end_leg` the result."""
         tried: set[str] = set()
         for attempt in itertools.count():
-            d = Dispatch(self.pick(self.prefills, "prefill", exclude=tried), self.pick(self.decodes, "decode"),
+            d = Dispatch(self.pick(self.prefills, "prefill", exclude=tried), self.pick(self.decodes, "decode", tried),
                          f"{transfer_id}.{attempt}" if attempt else transfer_id,
                          first_token_for(body, self.config.first_token), {"proxy_received": received or time.time()})
             d.trace["dispatched"] = time.time()
@@ -232,7 +261,13 @@ class Proxy:
                 tried.add(d.prefill.url)
                 self.metrics.retries.inc()
                 log.warning("prefill %s failed (%s); retrying elsewhere", d.prefill.url, e.error)
-                if not any(i.healthy and i.url not in tried for i in self.prefills):
+                if not any(i.usable and i.url not in tried for i in self.prefills):
+                    raise e.error from None
+            except DecodeUnavailable as e:  # push: P's leg was cancelled with it; dispatch both anew
+                self.end_leg(d)
+                tried.add(d.decode.url)
+                self.metrics.rerouted.labels(role="decode", reason=e.reason).inc()
+                if not any(i.usable and i.url not in tried for i in self.decodes):
                     raise e.error from None
             except BaseException:
                 self.end_leg(d)
@@ -270,7 +305,20 @@ class Proxy:
     async def _pull(self, path: str, body: dict, d: Dispatch) -> aiohttp.ClientResponse:
         p_params = kp.PrefillLegParams(transfer_id=d.transfer_id, mode=KVMode.PULL)
         result = await self._prefill_leg(path, body, p_params, d)
-        return await self._open_decode(path, body, self._decode_params(d, result), d)
+        tried: set[str] = set()
+        while True:
+            try:
+                return await self._open_decode(path, body, self._decode_params(d, result), d)
+            except DecodeUnavailable as e:  # P holds the KV under its lease: another D can READ it
+                tried.add(d.decode.url)
+                self.metrics.rerouted.labels(role="decode", reason=e.reason).inc()
+                try:
+                    other = self.pick(self.decodes, "decode", tried)
+                except web.HTTPServiceUnavailable:
+                    raise e.error from None
+                d.decode.in_flight -= 1
+                other.in_flight += 1
+                d.decode = other
 
     def _decode_params(self, d: Dispatch, result: kp.PrefillResult | None) -> kp.DecodeLegParams:
         first = d.first_token
@@ -289,6 +337,8 @@ class Proxy:
             async with self.session.post(d.prefill.url + path, json=leg) as r:
                 data = await r.read()
                 if r.status >= 500:
+                    if d.prefill.refused(r.status, data):
+                        self.metrics.rerouted.labels(role="prefill", reason="draining").inc()
                     raise PrefillFailed(LegError(r.status, data))
                 if r.status != 200:
                     raise LegError(r.status, data)
@@ -315,10 +365,15 @@ class Proxy:
         except aiohttp.ClientError as e:
             d.decode.healthy = False
             message = f"decode instance {d.decode.url} unreachable: {e}"
-            raise LegError(502, json.dumps(R.error_body(502, message)).encode()) from e
+            error = LegError(502, json.dumps(R.error_body(502, message)).encode())
+            if isinstance(e, aiohttp.ClientConnectorError):  # not even connected (e.g. it just shut down)
+                raise DecodeUnavailable(error, "unreachable") from e
+            raise error from e
         if resp.status != 200:
             data = await resp.read()
             resp.release()
+            if d.decode.refused(resp.status, data):
+                raise DecodeUnavailable(LegError(resp.status, data), "draining")
             raise LegError(resp.status, data)
         return resp
 
@@ -378,6 +433,15 @@ def _prefill_trace(trace: object) -> dict[str, float]:
     return {names[k]: float(v) for k, v in trace.items() if k in names and isinstance(v, (int, float))}
 
 
+def _error_code(body: bytes) -> object:
+    """The `code` of an OpenAI-style error body, or None."""
+    try:
+        error = json.loads(body).get("error")
+        return error.get("code") if isinstance(error, dict) else None
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+        return None
+
+
 def _parse_body(raw: bytes) -> dict:
     try:
         body = json.loads(raw)
@@ -428,7 +492,7 @@ async def _cancel(*tasks: asyncio.Task) -> None:
             resp = await t
             if isinstance(resp, aiohttp.ClientResponse):
                 resp.close()
-        except (TimeoutError, asyncio.CancelledError, LegError, PrefillFailed, aiohttp.ClientError):
+        except (TimeoutError, asyncio.CancelledError, LegError, PrefillFailed, DecodeUnavailable, aiohttp.ClientError):
             pass  # the failure that made us cancel is reported by the caller
 
 

@@ -13,6 +13,11 @@ class ProxyMetrics:
                                registry=r)
         self.healthy = Gauge("kvpush_proxy_instance_healthy", "1 if the instance answers its probes",
                              ["role", "url"], registry=r)
+        self.draining = Gauge("kvpush_proxy_instance_draining", "1 while the instance drains (not chosen)",
+                              ["role", "url"], registry=r)
+        self.rerouted = Counter("kvpush_proxy_rerouted", "Legs sent to another instance before the first one got "
+                                "anything: it answered that it drains, or (decode) could not be connected to",
+                                ["role", "reason"], registry=r)
         self.in_flight = Gauge("kvpush_proxy_instance_in_flight", "Requests in flight per instance",
                                ["role", "url"], registry=r)
         self.served = Gauge("kvpush_proxy_instance_served", "Requests dispatched per instance",
@@ -21,6 +26,7 @@ class ProxyMetrics:
     def update_instances(self, instances) -> None:
         for i in instances:
             self.healthy.labels(role=i.role, url=i.url).set(1 if i.healthy else 0)
+            self.draining.labels(role=i.role, url=i.url).set(1 if i.draining else 0)
             self.in_flight.labels(role=i.role, url=i.url).set(i.in_flight)
             self.served.labels(role=i.role, url=i.url).set(i.served)
 

@@ -1,7 +1,9 @@
-"""`kvpush serve`: start the engine-core process, then the HTTP front end; stop both on a signal.
+"""`kvpush serve`: start the engine-core process, then the HTTP front end; drain and stop on a signal.
 
     STARTING (engine core loads the model) -> SERVING (HTTP up, "ready" line printed)
-    -> STOPPING (SIGINT/SIGTERM: HTTP closed, core told to shut down, joined or killed) -> exit
+    -> DRAINING (SIGINT/SIGTERM: drain.py, at most --shutdown-timeout; a second signal cuts it short)
+    -> STOPPING (HTTP closed, core told to shut down: live transfers fail, peers told; joined or killed)
+    -> exit 0
 """
 
 from __future__ import annotations
@@ -21,19 +23,28 @@ from kvpush.tokenizer import Tokenizer
 log = logging.getLogger("kvpush.serve")
 
 
-async def start_http(app: web.Application, host: str, port: int) -> web.AppRunner:
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+async def start_http(app: web.Application, host: str, port: int, shutdown_timeout_s: float = 60.0) -> web.AppRunner:
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=shutdown_timeout_s)
     await runner.setup()
     await web.TCPSite(runner, host, port, reuse_address=True).start()
     return runner
 
 
 async def wait_for_signal() -> None:
+    await signal_events()[0].wait()
+
+
+def signal_events() -> tuple[asyncio.Event, asyncio.Event]:
+    """Events set by the first and by a second SIGINT/SIGTERM."""
     loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
+    first, second = asyncio.Event(), asyncio.Event()
+
+    def on_signal() -> None:
+        (second if first.is_set() else first).set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+        loop.add_signal_handler(sig, on_signal)
+    return first, second
 
 
 async def serve(engine_config: EngineConfig, server_config: ServerConfig,
@@ -42,12 +53,14 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig,
     engine = EngineClient(engine_config)
     await engine.start(extra_args=(server_config.role, transfer_config or TransferConfig()))
     server = OpenAIServer(server_config, engine, tokenizer, engine_config.model.model)
-    runner = await start_http(server.build_app(), server_config.host, server_config.port)
+    runner = await start_http(server.build_app(), server_config.host, server_config.port, shutdown_timeout_s=2.0)
     where = f" on cpus {format_cpus(server_config.cpus)}" if server_config.cpus else ""
     print(f"kvpush: serving {server.model_name} ({server_config.role.value}) on "
           f"http://{server_config.host}:{server_config.port}{where}", flush=True)
+    first, second = signal_events()
     try:
-        await wait_for_signal()
+        await first.wait()
+        await server.drain.run(second)
     finally:
         await runner.cleanup()
         await engine.shutdown()

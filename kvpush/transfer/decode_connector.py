@@ -17,6 +17,7 @@ A request aborted while its KV is arriving cancels the transfer the same way (P 
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -30,6 +31,8 @@ from kvpush.transfer.commands import Cancel, PeerAddr, Read, Register, SendNotif
 from kvpush.transfer.events import FreeBlocks, KVFailed, KVReady
 from kvpush.transfer.runtime import RuntimeConnector, TransferRuntime
 from kvpush.transfer.stats import TransferStats
+
+log = logging.getLogger("kvpush.decode")
 
 
 @dataclass
@@ -100,7 +103,7 @@ class DecodeConnector(RuntimeConnector):
         compute locally or fail, as --on-kv-failure says."""
         self.runtime.thread.submit(SendNotif(st.peer, pr.Abort(st.params.transfer_id)))
         if self.config.on_kv_failure is OnKVFailure.RECOMPUTE:
-            self._compute_locally(request, st)
+            self._compute_locally(request, st, "deadline passed before decode capacity was free")
             return Admission.RUN
         request.error = "KV transfer from prefill failed: deadline passed before decode capacity was free"
         return Admission.REJECT
@@ -186,7 +189,7 @@ class DecodeConnector(RuntimeConnector):
         request, st = found
         self._detach(request, st)
         if self.config.on_kv_failure is OnKVFailure.RECOMPUTE:
-            self._compute_locally(request, st)
+            self._compute_locally(request, st, event.reason)
             self.hooks.free(request)
             request.num_computed_tokens = request.num_cached_tokens = 0
             self.hooks.resume(request)  # front of the queue, computed locally from scratch
@@ -195,9 +198,12 @@ class DecodeConnector(RuntimeConnector):
         self.hooks.finish(request, RequestStatus.FINISHED_ERROR)
         out.append(request)
 
-    def _compute_locally(self, request: Request, st: DecodeState) -> None:
-        """--on-kv-failure recompute: the request becomes a plain one."""
+    def _compute_locally(self, request: Request, st: DecodeState, reason: str) -> None:
+        """--on-kv-failure recompute: the request becomes a plain one (counted, logged, stamped)."""
         self.fallbacks += 1
+        log.warning("transfer %s: KV from prefill %s did not arrive (%s); request %s is computed locally "
+                    "(--on-kv-failure recompute)", st.params.transfer_id, st.params.prefill_engine_id, reason,
+                    request.request_id)
         request.trace["kv_fallback_local"] = time.time()  # stamped in the response: never a silent re-prefill
         self.requests.pop(st.params.transfer_id, None)
         request.kv_state = None
@@ -222,5 +228,8 @@ class DecodeConnector(RuntimeConnector):
             self._detach(request, st)
             self.runtime.thread.submit(Cancel(st.params.transfer_id, f"decode {request.status.value}",
                                               st.params.prefill_engine_id))
+        elif isinstance(st, DecodeState) and not st.admitted and request.status is RequestStatus.FINISHED_ABORTED:
+            # Aborted while waiting for blocks (client gone, shutdown): P holds the KV for us, tell it now.
+            self.runtime.thread.submit(SendNotif(st.peer, pr.Abort(st.params.transfer_id)))
         return False
 

@@ -24,7 +24,7 @@ from kvpush.transfer.ledger import TransferRecord
 from kvpush.transfer.ledger import TransferState as S
 from kvpush.transfer.peers import Peers
 from kvpush.transfer.posted import Posted
-from kvpush.transfer.records import TransferState
+from kvpush.transfer.records import FailureKind, TransferState
 
 LEASE_MARGIN_S = 0.5  # D does not start a READ this close to the end of P's lease
 
@@ -61,12 +61,12 @@ class DecodeSide:
             notif = b""  # P never hears that the READ ended: its lease must free the blocks
         error = self.posted.track(rec, self.posted.agent.read(peer, cmd.block_ids, cmd.remote_ids, notif))
         if error is not None:
-            self.fail(rec, error)
+            self.fail(rec, error, kind=FailureKind.POSTED_LATE)
 
     def _cancel(self, cmd: Cancel) -> None:
         rec = self.ledger.get(cmd.transfer_id)
         if rec is not None and not rec.is_terminal:
-            self.fail(rec, cmd.reason)
+            self.fail(rec, cmd.reason, kind=FailureKind.CANCELLED)
         elif rec is not None and rec.state is TransferState.DONE:
             # The KV landed, but D's request ended before the engine applied KVReady: the engine took
             # these blocks out of the request when it sent Cancel, so they come back from here.
@@ -113,9 +113,10 @@ class DecodeSide:
         return False
 
     # ---- ends ------------------------------------------------------------------------------
-    def fail(self, rec: TransferRecord, reason: str, confirmed: bool = False) -> None:
+    def fail(self, rec: TransferRecord, reason: str, confirmed: bool = False,
+             kind: FailureKind = FailureKind.ERROR) -> None:
         """FAILED; P is told (Abort: nothing of ours in flight is promised by the ledger's quarantine)."""
-        self.expired(self.posted.mark_failed(rec, reason, confirmed))
+        self.expired(self.posted.mark_failed(rec, reason, confirmed, kind))
 
     def expired(self, rec: TransferRecord) -> None:
         """A record just became FAILED or EXPIRED: tell P, fail the request."""

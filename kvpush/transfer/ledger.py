@@ -35,6 +35,7 @@ from kvpush.config import Role
 from kvpush.transfer import protocol as pr
 from kvpush.transfer.records import (
     TRANSITIONS,
+    FailureKind,
     LedgerCounters,
     LedgerError,
     TransferRecord,
@@ -45,6 +46,7 @@ S = TransferState
 
 _OUTCOME: dict[type, TransferState] = {pr.Done: S.DONE, pr.Commit: S.DONE, pr.ReadDone: S.DONE,
                                        pr.Release: S.DONE, pr.Fail: S.FAILED, pr.Abort: S.FAILED}
+_PEER_KIND: dict[type, FailureKind] = {pr.Fail: FailureKind.PEER_FAIL, pr.Abort: FailureKind.PEER_ABORT}
 _ACCEPTED: dict[Role, tuple[type, ...]] = {  # besides PushReg on P
     Role.PREFILL: (pr.Release, pr.Abort, pr.Fail, pr.ReadDone, pr.LeaseRenew),
     Role.DECODE: (pr.Done, pr.Commit, pr.Fail, pr.Abort),
@@ -71,7 +73,7 @@ class TransferLedger:
     @property
     def counters(self) -> LedgerCounters:
         with self._lock:
-            return dataclasses.replace(self._counters)
+            return dataclasses.replace(self._counters, failures=dict(self._counters.failures))
 
     def get(self, transfer_id: str) -> TransferRecord | None:
         with self._lock:
@@ -213,13 +215,16 @@ class TransferLedger:
                 raise LedgerError(f"transfer {transfer_id}: mark_done needs POSTED, got {rec.state.value}")
             return self._move(rec, S.DONE, now, first_token_id=first_token_id)
 
-    def mark_failed(self, transfer_id: str, reason: str, *, confirmed: bool = False,
-                    now: float | None = None) -> TransferRecord:
-        """A local failure. ``confirmed`` (D): nothing of ours or the peer's can be in flight."""
+    def mark_failed(self, transfer_id: str, reason: str, *, confirmed: bool = False, posted: bool = False,
+                    kind: FailureKind = FailureKind.ERROR, now: float | None = None) -> TransferRecord:
+        """A local failure. ``confirmed`` (D): nothing of ours or the peer's can be in flight.
+        ``posted``: a WRITE / READ of ours was posted (even if ``mark_posted`` refused it as too late)
+        and may still be in flight, so no message of the peer's confirms the blocks free: only its end."""
         now = self._now(now)
         with self._lock:
-            return self._move(self._known(transfer_id), S.FAILED, now, error=reason,
-                              in_flight_confirmed=confirmed)
+            rec = self._known(transfer_id)
+            changes: dict[str, object] = {"posted_at": rec.posted_at or now} if posted else {}
+            return self._move(rec, S.FAILED, now, kind, error=reason, in_flight_confirmed=confirmed, **changes)
 
     def on_notification(self, msg: pr.Message, peer: str, now: float | None = None) -> TransferRecord | None:
         """A message from engine ``peer``. Returns the record if it was applied, else None (counted)."""
@@ -234,6 +239,8 @@ class TransferLedger:
             if rec is None:
                 if self.side is Role.PREFILL and isinstance(msg, (pr.Release, pr.Abort, pr.Fail)):
                     self._counters.early += 1
+                    if not isinstance(msg, pr.Release):
+                        self._counters.failures[_PEER_KIND[type(msg)]] += 1
                     return self._put(TransferRecord(
                         transfer_id=msg.transfer_id, side=self.side, state=_OUTCOME[type(msg)],
                         request_id=None, peer_engine_id=peer, deadline=now, created_at=now, updated_at=now,
@@ -260,7 +267,7 @@ class TransferLedger:
         now = self._now(now)
         with self._lock:
             due = [r for r in self._records.values() if not r.is_terminal and r.deadline <= now]
-            return [self._move(r, S.EXPIRED, now, error="deadline passed") for r in due]
+            return [self._move(r, S.EXPIRED, now, FailureKind.DEADLINE, error="deadline passed") for r in due]
 
     def gc(self, now: float | None = None) -> list[str]:
         """Drop terminal records older than ``tombstone_s`` whose blocks are not quarantined."""
@@ -312,11 +319,15 @@ class TransferLedger:
             if self._owner.get(b) == rec.transfer_id:
                 del self._owner[b]
 
-    def _move(self, rec: TransferRecord, state: TransferState, now: float, **changes: object) -> TransferRecord:
+    def _move(self, rec: TransferRecord, state: TransferState, now: float, kind: FailureKind | None = None, /,
+              **changes: object) -> TransferRecord:
+        """``kind``: why, for a move to FAILED or EXPIRED (counted)."""
         if state not in TRANSITIONS[rec.state]:
             raise LedgerError(f"transfer {rec.transfer_id}: illegal transition "
                               f"{rec.state.value} -> {state.value}")
         new = dataclasses.replace(rec, state=state, updated_at=now, **changes)  # type: ignore[arg-type]
+        if state in (S.FAILED, S.EXPIRED):
+            self._counters.failures[kind or FailureKind.ERROR] += 1
         if state is S.DONE or (state.is_terminal and self.side is Role.PREFILL):
             self._unclaim(new)  # P: the caller frees them; D: they now belong to the request
         elif state.is_terminal:
@@ -327,7 +338,8 @@ class TransferLedger:
     def _match(self, rec: TransferRecord, now: float, deadline: float, **changes: object) -> TransferRecord:
         # Both halves are here. Past the deadline the writer must not post: expire instead.
         if deadline <= now:
-            return self._move(rec, S.EXPIRED, now, deadline=deadline, error="deadline passed", **changes)
+            return self._move(rec, S.EXPIRED, now, FailureKind.DEADLINE, deadline=deadline, error="deadline passed",
+                              **changes)
         return self._move(rec, S.MATCHED, now, deadline=deadline, **changes)
 
     def _registration(self, msg: pr.PushReg, peer: str | None, now: float) -> TransferRecord | None:
@@ -361,7 +373,7 @@ class TransferLedger:
         state = rec.state
         if isinstance(msg, (pr.Fail, pr.Abort)):
             # The sender has nothing in flight; on D our own READ may still be (posted_at set).
-            return self._move(rec, S.FAILED, now, error=_reason(msg), peer_engine_id=peer,
+            return self._move(rec, S.FAILED, now, _PEER_KIND[type(msg)], error=_reason(msg), peer_engine_id=peer,
                               in_flight_confirmed=rec.posted_at is None)
         if isinstance(msg, pr.LeaseRenew) and state is S.PREFILLED:
             until = min(msg.until, now + self.max_lease_s)

@@ -139,7 +139,10 @@ class Peers:
         return False
 
     def check_post_fault(self, op: str) -> None:
-        """fail-post: TransferError instead of posting."""
+        """Called just before posting. delay-post: stall first; fail-post: TransferError instead of posting."""
+        if self.faults.delay_post_s > 0:
+            self.metrics.faults_injected += 1
+            time.sleep(self.faults.delay_post_s)
         if self._fault(self.faults.fail_post):
             self.metrics.faults_injected += 1
             raise TransferError(f"injected fault: {op} post failed")

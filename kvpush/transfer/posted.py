@@ -12,6 +12,7 @@ from collections.abc import Callable
 from kvpush.transfer.events import Event
 from kvpush.transfer.kv_agent import KVAgent, Transfer, XferStatus
 from kvpush.transfer.ledger import LedgerError, TransferLedger, TransferRecord
+from kvpush.transfer.records import FailureKind
 from kvpush.transfer.stats import TransferMetrics
 
 
@@ -53,7 +54,11 @@ class Posted:
             ended.append((tid, transfer, state))
         return ended
 
-    def mark_failed(self, rec: TransferRecord, reason: str, confirmed: bool = False) -> TransferRecord:
-        """FAILED; `confirmed` (nothing in flight) only holds if no transfer of ours is."""
+    def mark_failed(self, rec: TransferRecord, reason: str, confirmed: bool = False,
+                    kind: FailureKind = FailureKind.ERROR) -> TransferRecord:
+        """FAILED; `confirmed` (nothing in flight) only holds if no transfer of ours is. A transfer of
+        ours in flight is recorded as posted even when `mark_posted` refused it (posted too late), so
+        that no peer message releases D's blocks before it ends."""
         in_flight = rec.transfer_id in self.transfers
-        return self.ledger.mark_failed(rec.transfer_id, reason, confirmed=confirmed and not in_flight)
+        return self.ledger.mark_failed(rec.transfer_id, reason, confirmed=confirmed and not in_flight,
+                                       posted=in_flight, kind=kind)

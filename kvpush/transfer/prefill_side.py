@@ -24,6 +24,7 @@ from kvpush.transfer.ledger import LedgerError, TransferRecord
 from kvpush.transfer.ledger import TransferState as S
 from kvpush.transfer.peers import Peers
 from kvpush.transfer.posted import Posted
+from kvpush.transfer.records import FailureKind
 
 CANCELLED_TTL_S = 300.0
 
@@ -66,7 +67,7 @@ class PrefillSide:
             if cmd.peer_engine_id is not None:
                 self.peers.send(cmd.peer_engine_id, pr.Fail.create(cmd.transfer_id, cmd.reason))
         elif not rec.is_terminal:
-            self.fail(rec, cmd.reason)
+            self.fail(rec, cmd.reason, kind=FailureKind.CANCELLED)
 
     def lost(self, cmd: object, reason: str) -> None:
         """A command failed before its transfer had a record: nothing is held for it."""
@@ -120,7 +121,7 @@ class PrefillSide:
             done = b""  # the WRITE lands but D never hears of it: D's deadline must handle it
         error = self.posted.track(rec, self.posted.agent.write(peer, local, remote, done))
         if error is not None:
-            self.fail(rec, error)
+            self.fail(rec, error, kind=FailureKind.POSTED_LATE)
 
     def transfer_ended(self, tid: str, transfer: Transfer, state: XferStatus) -> None:
         rec = self.ledger.get(tid)
@@ -188,9 +189,10 @@ class PrefillSide:
         self._free(self.ledger.mark_done(rec.transfer_id))
 
     # ---- ends ------------------------------------------------------------------------------
-    def fail(self, rec: TransferRecord, reason: str, confirmed: bool = False) -> None:
+    def fail(self, rec: TransferRecord, reason: str, confirmed: bool = False,
+             kind: FailureKind = FailureKind.ERROR) -> None:
         """FAILED; D hears of it (Fail) once no WRITE of ours is in flight; blocks freed then."""
-        self.expired(self.posted.mark_failed(rec, reason, confirmed), reason)
+        self.expired(self.posted.mark_failed(rec, reason, confirmed, kind), reason)
 
     def expired(self, rec: TransferRecord, reason: str = "lease expired") -> None:
         """A record just became FAILED or EXPIRED. Fail promises D that nothing of ours is in

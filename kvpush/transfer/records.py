@@ -14,12 +14,13 @@ States and who moves a record between them (P = prefill side, D = decode side)::
     FAILED      a local error (mark_failed) or the peer's Fail / Abort
     EXPIRED     the deadline (D) or lease (P) passed                         expire
 
-``TRANSITIONS`` is the whole table; a record is an immutable snapshot.
+``TRANSITIONS`` is the whole table; a record is an immutable snapshot. Every move to FAILED or
+EXPIRED is counted by its ``FailureKind`` (``kvpush_kv_transfer_failures_total{reason}``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 from kvpush.config import Role
@@ -42,6 +43,18 @@ class TransferState(StrEnum):
     @property
     def is_terminal(self) -> bool:
         return self in _TERMINAL
+
+
+class FailureKind(StrEnum):
+    """Why a transfer ended FAILED or EXPIRED (the `reason` label of the failure counter)."""
+
+    DEADLINE = "deadline"  # D's deadline or P's lease passed (EXPIRED, or matched too late)
+    POSTED_LATE = "posted_late"  # our WRITE / READ was posted after the deadline (a stalled thread)
+    PEER_FAIL = "peer_fail"  # the peer sent Fail
+    PEER_ABORT = "peer_abort"  # the peer sent Abort
+    CANCELLED = "cancelled"  # our request ended first (client gone, aborted, proxy cancelled it)
+    ERROR = "error"  # a local error: handshake, post or transfer failure, bad registration
+    SHUTDOWN = "shutdown"  # this instance shut down with the transfer still live (drain timeout)
 
 
 S = TransferState
@@ -104,3 +117,4 @@ class LedgerCounters:
     duplicates: int = 0
     early: int = 0  # P: Release / Abort / Fail before the request was known
     confirmations: int = 0  # D: peer said nothing is in flight for a quarantined transfer
+    failures: dict[FailureKind, int] = field(default_factory=lambda: dict.fromkeys(FailureKind, 0))

@@ -50,6 +50,7 @@ class TransferStats(msgspec.Struct):
     thread_cpu_s: float = 0.0
     faults_injected: int = 0
     local_fallbacks: int = 0  # D: requests computed locally after their KV failed (--on-kv-failure recompute)
+    failures: dict[str, int] = {}  # transfers that ended FAILED or EXPIRED, by FailureKind (every kind listed)
 
 
 class TransferMetrics:
@@ -89,4 +90,4 @@ class TransferMetrics:
             ignored_unexpected=c.ignored_unexpected, duplicates=c.duplicates, bad_messages=self.bad_messages,
             handshakes=self.handshakes, handshake_failures=self.handshake_failures,
             quarantined_blocks=len(ledger.quarantined_blocks()), thread_cpu_s=self.thread_cpu_s,
-            faults_injected=self.faults_injected)
+            faults_injected=self.faults_injected, failures={k.value: n for k, n in c.failures.items()})

@@ -40,6 +40,7 @@ from kvpush.transfer.ledger import TransferState as S
 from kvpush.transfer.peers import Peers
 from kvpush.transfer.posted import Posted
 from kvpush.transfer.prefill_side import PrefillSide
+from kvpush.transfer.records import FailureKind
 from kvpush.transfer.stats import TransferMetrics, TransferStats
 
 log = logging.getLogger("kvpush.transfer")
@@ -52,6 +53,7 @@ HOUSEKEEPING_S = 0.01
 # Records in these states wait for something a doorbell announces (P: its prefill, a registration or
 # a READ's end; D: its peer's Done); any other live record is latency-critical work of this thread.
 PEER_WAIT_STATES = frozenset({S.REGISTERED, S.PREFILLED})
+WIND_DOWN_S = 2.0  # stopping: how long posted transfers get to end before the agent closes
 
 
 class RoleSide(Protocol):
@@ -62,7 +64,8 @@ class RoleSide(Protocol):
     def on_message(self, msg: pr.Message, engine_id: str) -> None: ...
     def transfer_ended(self, tid: str, transfer: Transfer, state: XferStatus) -> None: ...
     def poll(self) -> bool: ...
-    def fail(self, rec: TransferRecord, reason: str, confirmed: bool = False) -> None: ...
+    def fail(self, rec: TransferRecord, reason: str, confirmed: bool = False,
+             kind: FailureKind = FailureKind.ERROR) -> None: ...
     def expired(self, rec: TransferRecord) -> None: ...
     def housekeeping(self, now: float) -> bool: ...
     def relaxed(self) -> bool: ...
@@ -196,8 +199,32 @@ class TransferThread(threading.Thread):
             wait_s = self.pacer.sleep_s(progressed, self.poll_cap(now))
             rang = wait_s > 0 and self.doorbell.wait(wait_s)
             self.rounds += 1
+        self._wind_down()
         self.agent.close()
         self.doorbell.close()
+
+    def _wind_down(self) -> None:
+        """Stopping (the instance shuts down): apply the commands still queued (Cancel of the requests
+        just aborted), fail every live transfer so that its peer hears of it now (D sends Abort; P sends
+        Fail once no WRITE of its own is in flight), and run rounds while anything is outstanding
+        (posted transfers, delayed notifications, the grace after a send), at most WIND_DOWN_S."""
+        deadline = time.monotonic() + WIND_DOWN_S
+        try:
+            self._drain()
+            for rec in self.ledger.records():
+                if not rec.is_terminal:
+                    self.side.fail(rec, "the peer instance shut down", kind=FailureKind.SHUTDOWN)
+            self.pacer.refresh(self.ledger)
+            self.pacer.after_round(time.monotonic(), sent=self.peers.sent, received=False, rang=False)
+            while (cap := self.poll_cap()) <= RELAXED_POLL_S and time.monotonic() < deadline:
+                progressed = self._round()
+                self.pacer.refresh(self.ledger)
+                self.pacer.after_round(time.monotonic(), sent=self.peers.sent, received=False, rang=False)
+                self.peers.sent = False
+                self.doorbell.wait(self.pacer.sleep_s(progressed, cap))
+            self.agent.get_notifs()  # one more progress call: what was just sent goes out
+        except (TransferError, ValueError) as e:
+            log.error("transfer thread, stopping: %s", e)
 
     def poll_cap(self, now: float | None = None) -> float:
         """The longest sleep between rounds now."""

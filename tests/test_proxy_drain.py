@@ -1,0 +1,148 @@
+"""The proxy and draining instances, against fake instances in this process (aiohttp, loopback): a
+leg refused with code "draining" goes to another instance and the draining one is never chosen again;
+a decode instance that cannot be connected to is skipped the same way; an instance whose kv_info says
+it drains is not chosen. The real servers are in test_drain.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import pytest
+from aiohttp import ClientSession, web
+
+from kvpush import kv_params as kp
+from kvpush.config import KVMode, ProxyConfig
+from kvpush.launch import free_port
+from kvpush.server import responses as R
+from kvpush.server.proxy import Proxy
+
+
+class Fake:
+    """One fake instance: answers kv_info, and completions as P (a PrefillResult) or D (some text)."""
+
+    def __init__(self, role: str, mode: str, draining: bool = False) -> None:
+        self.role, self.mode, self.draining = role, mode, draining
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.hits = 0  # completions received
+        self.runner: web.AppRunner | None = None
+
+    async def start(self) -> Fake:
+        app = web.Application()
+        app.router.add_get("/v1/kv_info", self.kv_info)
+        app.router.add_post("/v1/completions", self.completions)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
+        return self
+
+    async def kv_info(self, request: web.Request) -> web.Response:
+        return web.json_response({"engine_id": f"{self.role}-{self.port}", "role": self.role, "kv_mode": self.mode,
+                                  "kv_host": "127.0.0.1", "kv_port": 1, "block_size": 16, "max_model_len": 512,
+                                  "draining": self.draining})
+
+    async def completions(self, request: web.Request) -> web.Response:
+        self.hits += 1
+        body = await request.json()
+        if self.draining:
+            return R.error_response(503, "this instance is draining", code="draining")
+        if self.role == "decode":
+            return web.json_response({"choices": [{"index": 0, "text": f"from {self.port}", "finish_reason": "length"}]})
+        leg = body["kv_transfer_params"]
+        result = kp.PrefillResult(transfer_id=leg["transfer_id"], mode=KVMode(self.mode), prefill_engine_id=
+                                  f"prefill-{self.port}", prefill_kv_host="127.0.0.1", prefill_kv_port=1, num_tokens=3,
+                                  block_ids=[1] if self.mode == "pull" else [], first_token_id=5,
+                                  lease_expiry=time.time() + 30 if self.mode == "pull" else None)
+        return web.json_response({"choices": [{"text": "x", "kv_transfer_params": kp.params_to_dict(result)}]})
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+
+
+async def deploy(mode: str, decodes: list[Fake], prefills: list[Fake] | None = None):
+    prefills = prefills or [Fake("prefill", mode)]
+    for f in [*prefills, *decodes]:
+        await f.start()
+    config = ProxyConfig(prefill_urls=tuple(f.url for f in prefills), decode_urls=tuple(f.url for f in decodes),
+                         kv_mode=KVMode(mode), probe_interval_s=3600)  # no re-probe during the test
+    proxy = Proxy(config)
+    await proxy.start(wait_s=10)
+    runner = web.AppRunner(proxy.build_app())
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return proxy, runner, f"http://127.0.0.1:{port}", prefills
+
+
+async def ask(url: str, n: int) -> list[tuple[int, str]]:
+    out = []
+    async with ClientSession() as s:
+        for _ in range(n):
+            async with s.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}) as r:
+                out.append((r.status, json.loads(await r.read())["choices"][0]["text"] if r.status == 200 else ""))
+    return out
+
+
+async def teardown(proxy: Proxy, runner: web.AppRunner, fakes: list[Fake]) -> None:
+    await runner.cleanup()
+    await proxy.close()
+    for f in fakes:
+        await f.stop()
+
+
+def rerouted(proxy: Proxy, role: str, reason: str) -> float:
+    return proxy.metrics.rerouted.labels(role=role, reason=reason)._value.get()
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_a_draining_decode_is_skipped_at_once(mode):
+    async def main():
+        d1, d2 = Fake("decode", mode), Fake("decode", mode)
+        proxy, runner, url, prefills = await deploy(mode, [d1, d2])
+        try:
+            d1.draining = True  # SIGTERM after the last probe: the proxy learns it from D1's refusal
+            answers = await ask(url, 6)
+            assert answers == [(200, f"from {d2.port}")] * 6
+            assert d1.hits == 1 and d2.hits == 6  # refused once, then never chosen again
+            assert proxy.decodes[0].draining and rerouted(proxy, "decode", "draining") == 1
+            assert prefills[0].hits == (7 if mode == "push" else 6)  # push re-dispatches both legs
+        finally:
+            await teardown(proxy, runner, [*prefills, d1, d2])
+
+    asyncio.run(main())
+
+
+def test_an_unreachable_decode_is_skipped():
+    async def main():
+        d1, d2 = Fake("decode", "push"), Fake("decode", "push")
+        proxy, runner, url, prefills = await deploy("push", [d1, d2])
+        try:
+            await d1.stop()  # gone between two probes: connections are refused
+            assert await ask(url, 4) == [(200, f"from {d2.port}")] * 4
+            assert rerouted(proxy, "decode", "unreachable") == 1 and not proxy.decodes[0].healthy
+        finally:
+            await teardown(proxy, runner, [*prefills, d2])
+
+    asyncio.run(main())
+
+
+def test_draining_instances_are_not_chosen_after_a_probe():
+    async def main():
+        d1, d2 = Fake("decode", "pull"), Fake("decode", "pull")
+        p1, p2 = Fake("prefill", "pull", draining=True), Fake("prefill", "pull")
+        proxy, runner, url, prefills = await deploy("pull", [d1, d2], [p1, p2])
+        try:
+            d2.draining = True
+            await proxy.probe_all()
+            assert await ask(url, 4) == [(200, f"from {d1.port}")] * 4
+            assert (p1.hits, d2.hits, p2.hits) == (0, 0, 4)
+            d1.draining = True  # every decode instance drains: 503, no instance to choose
+            await proxy.probe_all()
+            assert [status for status, _ in await ask(url, 1)] == [503]
+        finally:
+            await teardown(proxy, runner, [p1, p2, d1, d2])
+
+    asyncio.run(main())
