@@ -34,7 +34,7 @@ from kvpush.bench.suite import Fleet, SuiteConfig
 from kvpush.config import default_model_dir
 from kvpush.demo import ensure_model
 
-SERVE_ARGS = "--torch-threads 1 --max-num-seqs 8 --max-num-batched-tokens 512 --max-waiting 4"
+SERVE_ARGS = "--torch-threads 1 --max-num-seqs 8 --max-num-batched-tokens 256 --max-waiting 2"
 SHED = (429, 503)
 SHED_WITHIN_S = 0.1
 

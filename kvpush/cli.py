@@ -105,7 +105,7 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
                    help="run this instance's processes and threads only on these CPUs, e.g. 0-3,6")
     g = p.add_argument_group("admission (past these bounds a request gets 429 with Retry-After at once)")
     g.add_argument("--max-waiting", type=int, default=_default(AdmissionConfig, "max_waiting"),
-                   help="requests waiting to be scheduled")
+                   help="requests queued beyond a full batch (--max-num-seqs)")
     g.add_argument("--max-waiting-tokens", type=int, default=_default(AdmissionConfig, "max_waiting_tokens"),
                    help="prompt tokens of requests that have no output token yet")
     g.add_argument("--kv-headroom", type=float, default=_default(AdmissionConfig, "kv_headroom"),

@@ -91,7 +91,7 @@ class AdmissionConfig:
     The defaults never shed in normal use but bound the queues' memory; for an SLO, set
     `max_waiting` to about what the instance serves within the TTFT target."""
 
-    max_waiting: int = 256  # requests waiting to be scheduled (not counting those parked for remote KV)
+    max_waiting: int = 256  # requests queued beyond a full batch (--max-num-seqs), not counting those parked for KV
     max_waiting_tokens: int = 1 << 20  # prompt tokens of requests that have no output token yet
     kv_headroom: float = 0.0  # fraction of the KV cache kept free for running requests' growth
     retry_after_s: int = 1  # the Retry-After of a 429 / 503

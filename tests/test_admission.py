@@ -88,7 +88,7 @@ def test_scheduler_reserves_prompt_and_next_token_of_unfinished_requests():
 
 def client() -> tuple[EngineClient, list[bytes]]:
     sent: list[bytes] = []
-    c = EngineClient(EngineConfig(ModelConfig("unused")))
+    c = EngineClient(EngineConfig(ModelConfig("unused"), scheduler=SchedulerConfig(max_num_seqs=1)))
     c.info = m.CoreReady(max_model_len=256, vocab_size=100, num_blocks=40, block_size=BS)
     c.stats = m.EngineStats(num_free_blocks=40, num_total_blocks=40)
     c.healthy = True
@@ -106,12 +106,12 @@ def test_api_view_counts_requests_sent_since_the_last_stats():
     add(c, "a", 11)  # 3 blocks
     add(c, "b", 7)  # 2 blocks
     view = c.load()
-    assert (view.num_waiting, view.waiting_tokens, view.reserved_blocks) == (2, 18, 5) and len(sent) == 2
+    assert (view.num_waiting, view.waiting_tokens, view.reserved_blocks) == (1, 18, 5) and len(sent) == 2
     # The core took in "a" only; it runs, holding its 3 blocks
     c._dispatch(m.StepOutputs([], m.EngineStats(num_running=1, num_free_blocks=37, num_total_blocks=40,
                                                 num_added=1)))
     view = c.load()
-    assert (view.num_waiting, view.free_blocks, view.reserved_blocks) == (1, 37, 2)
+    assert (view.num_waiting, view.free_blocks, view.reserved_blocks) == (1, 37, 2)  # one beyond a batch of 1
     c._dispatch(m.StepOutputs([m.RequestDelta("a", [5])], m.EngineStats(num_running=1, num_free_blocks=37,
                                                                          num_total_blocks=40, num_added=2,
                                                                          kv_reserved_blocks=2)))
@@ -131,3 +131,32 @@ def test_api_refuse_tells_the_core():
     c.refuse(leg)
     msg = m.to_core_decoder.decode(sent[-1])
     assert isinstance(msg, m.RefuseLeg) and msg.kv_transfer_params == leg
+
+
+def test_engine_core_bounds_its_own_queue_and_refuses_the_leg():
+    """The core decides again on its exact state: past the bound it answers 429 itself and its KV
+    connector tells the peer, whatever the API process let through."""
+    from kvpush.config import KVMode
+    from kvpush.kv_params import DecodeLegParams
+    from kvpush.server.engine_core import EngineCore
+
+    bm = BlockManager(32, BS)
+    s = Scheduler(SchedulerConfig(max_num_seqs=1), bm, max_model_len=256)
+    added, out, refused = [], [], []
+
+    def add_request(rid, ids, params, kv):
+        added.append(rid)
+        s.add(Request(rid, ids, params))
+
+    engine = SimpleNamespace(scheduler=s, block_manager=bm, add_request=add_request)
+    core = EngineCore(engine, None, SimpleNamespace(send_bytes=out.append), None,  # type: ignore[arg-type]
+                      connector=SimpleNamespace(refuse=refused.append), admission=AdmissionConfig(max_waiting=1))
+    leg = DecodeLegParams(transfer_id="t", mode=KVMode.PUSH, prefill_engine_id="prefill-0",
+                          prefill_kv_host="127.0.0.1", prefill_kv_port=7000)
+    for rid in ("a", "b", "c"):  # a runs (a batch of 1), b waits, c is one too many
+        core.handle(m.AddRequest(rid, [1, 2, 3], SamplingParams(max_tokens=4), leg))
+    assert added == ["a", "b"] and refused == [leg]
+    (step,) = [m.from_core_decoder.decode(b) for b in out]
+    (delta,) = step.deltas
+    assert (delta.request_id, delta.error_status, delta.shed) == ("c", 429, "queue_full")
+    assert core.num_added == 3 and s.num_blocks_to_start() == 2  # what the next stats report

@@ -93,7 +93,7 @@ def test_no_stale_claims() -> None:
         assert stale not in text, stale
 
 
-@pytest.mark.parametrize("starts, field", [("requests waiting", "max_waiting"),
+@pytest.mark.parametrize("starts, field", [("requests waiting beyond", "max_waiting"),
                                            ("prompt tokens waiting", "max_waiting_tokens"),
                                            ("KV cache kept free", "kv_headroom"),
                                            ("Retry-After", "retry_after_s")])

@@ -3,9 +3,11 @@
 An overloaded instance answers early and explicitly (HTTP 429 with Retry-After) instead of queueing
 without bound. A request is shed when, counting it:
 
-    queue_full        more requests would wait to be scheduled than `max_waiting`
-                      (requests parked while their KV arrives from a peer do not count: each holds
-                      its blocks, so the KV cache bounds them)
+    queue_full        more requests would wait beyond a full running batch (`--max-num-seqs`) than
+                      `max_waiting` (requests parked while their KV arrives from a peer do not count:
+                      each holds its blocks, so the KV cache bounds them). Counted against a full
+                      batch, not the batch of the moment, so that a burst into an idle instance is
+                      not shed for what the next step would have run.
     queue_tokens_full more prompt tokens would wait for their first token than `max_waiting_tokens`
                       (never when nothing else waits: a single prompt is bounded by the model)
     kv_cache_full     the KV cache cannot hold it: its blocks (prompt + first token) exceed the free
@@ -44,7 +46,7 @@ class ShedReason(StrEnum):
 class Load:
     """What admission looks at: one instance's queue and KV cache."""
 
-    num_waiting: int  # requests waiting to be scheduled (not running, not parked for remote KV)
+    num_waiting: int  # requests beyond a full running batch (not counting those parked for remote KV)
     waiting_tokens: int  # prompt tokens of requests that have no output token yet
     num_running: int
     free_blocks: int

@@ -117,8 +117,8 @@ class EngineClient:
 
     def load(self) -> Load:
         """Admission's view of the engine: its last stats plus the requests sent since."""
-        st = self.stats
-        return Load(num_waiting=max(0, self.num_in_flight - st.num_running - st.num_waiting_for_kv),
+        st, batch = self.stats, self.config.scheduler.max_num_seqs
+        return Load(num_waiting=max(0, self.num_in_flight - st.num_waiting_for_kv - batch),
                     waiting_tokens=self.pending_tokens, num_running=st.num_running, free_blocks=st.num_free_blocks,
                     reserved_blocks=st.kv_reserved_blocks + self._in_transit_blocks,
                     total_blocks=st.num_total_blocks)

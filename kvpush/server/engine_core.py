@@ -128,7 +128,8 @@ class EngineCore:
 
     def load(self) -> Load:
         s, bm = self.engine.scheduler, self.engine.block_manager
-        return Load(num_waiting=len(s.waiting), waiting_tokens=s.num_waiting_tokens(), num_running=len(s.running),
+        beyond_batch = len(s.waiting) + len(s.running) - s.config.max_num_seqs
+        return Load(num_waiting=max(0, beyond_batch), waiting_tokens=s.num_waiting_tokens(), num_running=len(s.running),
                     free_blocks=bm.num_free_blocks, reserved_blocks=s.num_blocks_to_start(),
                     total_blocks=bm.num_blocks)
 
