@@ -88,11 +88,11 @@ class EngineConfig:
 @dataclass(frozen=True)
 class AdmissionConfig:
     """Bounds past which an instance sheds new requests (429 + Retry-After; engine/admission.py).
-    The defaults never shed in normal use but bound the queues' memory; for an SLO, set
-    `max_waiting` to about what the instance serves within the TTFT target."""
+    The defaults never shed in normal use but bound the queues' memory; for a TTFT target, set
+    `max_waiting_tokens` to about the instance's prefill tokens per second times the target."""
 
     max_waiting: int = 256  # requests queued beyond a full batch (--max-num-seqs), not counting those parked for KV
-    max_waiting_tokens: int = 1 << 20  # prompt tokens of requests that have no output token yet
+    max_waiting_tokens: int = 1 << 20  # prompt tokens to prefill here of requests without an output token yet
     kv_headroom: float = 0.0  # fraction of the KV cache kept free for running requests' growth
     retry_after_s: int = 1  # the Retry-After of a 429 / 503
 

@@ -160,3 +160,19 @@ def test_engine_core_bounds_its_own_queue_and_refuses_the_leg():
     (delta,) = step.deltas
     assert (delta.request_id, delta.error_status, delta.shed) == ("c", 429, "queue_full")
     assert core.num_added == 3 and s.num_blocks_to_start() == 2  # what the next stats report
+
+
+def test_a_decode_legs_prompt_is_not_prefill_work_here():
+    from kvpush.config import KVMode
+    from kvpush.kv_params import DecodeLegParams
+
+    c, _ = client()
+    leg = DecodeLegParams(transfer_id="t", mode=KVMode.PUSH, prefill_engine_id="prefill-0",
+                          prefill_kv_host="127.0.0.1", prefill_kv_port=7000)
+    c.add(m.AddRequest("leg", list(range(50)), SamplingParams(max_tokens=4), leg))
+    add(c, "plain", 7)
+    assert c.load().waiting_tokens == 7 and c.load().reserved_blocks == blocks_for(50, BS) + 2
+    s = Scheduler(SchedulerConfig(), BlockManager(32, BS), max_model_len=256)
+    s.add(Request("leg", list(range(50)), SamplingParams(max_tokens=4), remote_prefill=True))
+    s.add(Request("plain", list(range(7)), SamplingParams(max_tokens=4)))
+    assert s.num_waiting_tokens() == 7

@@ -147,7 +147,7 @@ def test_decode_late_request_is_rejected_or_computed_locally(policy):
     if policy is OnKVFailure.ERROR:
         assert out.rejected == [r] and r.status is RequestStatus.FINISHED_ERROR and "deadline" in (r.error or "")
     else:
-        assert out.scheduled == [(r, 9)] and r.kv_state is None and d.requests == {}
+        assert out.scheduled == [(r, 9)] and r.kv_state is None and not r.remote_prefill and d.requests == {}
     assert d.requests == {}
 
 

@@ -8,8 +8,10 @@ without bound. A request is shed when, counting it:
                       each holds its blocks, so the KV cache bounds them). Counted against a full
                       batch, not the batch of the moment, so that a burst into an idle instance is
                       not shed for what the next step would have run.
-    queue_tokens_full more prompt tokens would wait for their first token than `max_waiting_tokens`
-                      (never when nothing else waits: a single prompt is bounded by the model)
+    queue_tokens_full more prompt tokens would wait for their first token than `max_waiting_tokens`:
+                      the prefill work ahead of a new request, what its TTFT waits for (a decode
+                      leg's prompt is its prefill peer's work and does not count; never shed when
+                      nothing else waits: a single prompt is bounded by the model)
     kv_cache_full     the KV cache cannot hold it: its blocks (prompt + first token) exceed the free
                       blocks after the blocks every admitted request still needs for its prompt and
                       next token, less `kv_headroom` of the cache while requests are running (kept
@@ -47,7 +49,7 @@ class Load:
     """What admission looks at: one instance's queue and KV cache."""
 
     num_waiting: int  # requests beyond a full running batch (not counting those parked for remote KV)
-    waiting_tokens: int  # prompt tokens of requests that have no output token yet
+    waiting_tokens: int  # prompt tokens of requests that have no output token yet, computed here
     num_running: int
     free_blocks: int
     reserved_blocks: int  # blocks admitted requests still need for their prompt and next token

@@ -78,8 +78,10 @@ class Scheduler:
         return sum(max(0, bm.blocks_needed(r.num_tokens + 1) - len(r.block_table)) for r in self.requests.values())
 
     def num_waiting_tokens(self) -> int:
-        """Prompt tokens of the unfinished requests that have no output token yet."""
-        return sum(r.num_prompt_tokens for r in self.requests.values() if not r.output_token_ids)
+        """Prompt tokens of the unfinished requests that have no output token yet and whose prompt is
+        computed here (not by a prefill peer): the prefill work ahead of a new request."""
+        return sum(r.num_prompt_tokens for r in self.requests.values()
+                   if not r.output_token_ids and not r.remote_prefill)
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         """Move a request to a finished status and free its blocks. Idempotent."""

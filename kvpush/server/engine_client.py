@@ -21,7 +21,7 @@ from multiprocessing.connection import Connection
 from kvpush.config import EngineConfig
 from kvpush.engine.admission import Load, blocks_for
 from kvpush.errors import ModelLoadError
-from kvpush.kv_params import RequestLegParams
+from kvpush.kv_params import DecodeLegParams, RequestLegParams
 from kvpush.server import messages as m
 from kvpush.server.engine_core import run_engine_core
 
@@ -96,8 +96,9 @@ class EngineClient:
             return queue
         self.queues[request.request_id] = queue
         n = len(request.prompt_token_ids)
-        self._pending[request.request_id] = n
-        self.pending_tokens += n
+        if not isinstance(request.kv_transfer_params, DecodeLegParams):  # a decode leg's prompt is P's work
+            self._pending[request.request_id] = n
+            self.pending_tokens += n
         self._num_sent += 1
         blocks = blocks_for(n, self.info.block_size) if self.info is not None else 0
         self._in_transit.append((self._num_sent, blocks))

@@ -69,6 +69,7 @@ class DecodeConnector(RuntimeConnector):
         # Pull: P said how long it holds the blocks; push: P's lease starts when its prefill ends, so
         # D assumes the deployment's --kv-lease-s (set it alike on P and D).
         lease_s = params.lease_expiry - now if params.lease_expiry is not None else self.config.kv_lease_s
+        request.remote_prefill = True
         request.kv_state = DecodeState(params, deadline=now + self.config.kv_timeout_s,
                                        lease_until=params.lease_expiry, lease_s=max(lease_s, 0.1), renewed_at=now)
         self.requests[params.transfer_id] = request
@@ -217,6 +218,7 @@ class DecodeConnector(RuntimeConnector):
         request.trace["kv_fallback_local"] = time.time()  # stamped in the response: never a silent re-prefill
         self.requests.pop(st.params.transfer_id, None)
         request.kv_state = None
+        request.remote_prefill = False
 
     def stats(self) -> TransferStats:
         stats = super().stats()
