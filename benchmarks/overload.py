@@ -7,13 +7,14 @@
 
 Starts a colocated server and a 1P1D push deployment (P and D pinned to separate halves of the cores
 unless --no-pin) on the bench-preset model, all up at once. Per deployment it first measures capacity
-(a closed loop of --capacity-concurrency clients: completed requests per second) unless --capacity
-gives it, then offers Poisson load at each fraction of it for --duration-s, the deployments
-alternating at every level on the same prompts. Per level: goodput (requests meeting both the TTFT
-and the TPOT SLO, per second of offered load), completed (also per second), shed (429/503) and how fast each shed
-answer came, other failures, TTFT and TPOT of the completed, and the RSS of every instance after the
-level. Targets (issue 15): at 200% and 300% every request completes or is shed within 100 ms, and
-goodput is at least 90% of goodput at 100%. Writes overload.json and overload.png to --result-dir.
+(completed requests per second of a closed loop of --capacity-concurrency clients, enough to keep
+prefills waiting) unless --capacity gives it, then offers Poisson load at each fraction of it for
+--duration-s, the deployments alternating at every level on the same prompts. Per level: goodput
+(requests meeting both the TTFT and the TPOT SLO, per second of offered load), completed (also per
+second), shed (429/503) and how fast each shed answer came, other failures, TTFT and TPOT of the
+completed, and the RSS of every instance after the level. Targets (issue 15): at 200% and 300% every
+request completes or is shed within 100 ms, and goodput is at least 90% of goodput at 100%. Writes
+overload.json and overload.png to --result-dir.
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ def parse_args() -> argparse.Namespace:
                     help="offered load as fractions of capacity (1.0 must be among them)")
     ap.add_argument("--duration-s", type=float, default=20.0, help="offered load per level")
     ap.add_argument("--capacity", type=float, default=None, help="requests/s at 100%% (default: measured)")
-    ap.add_argument("--capacity-concurrency", type=int, default=8)
+    ap.add_argument("--capacity-concurrency", type=int, default=10,
+                    help="clients of the capacity loop: a full batch plus a few prefills waiting (no shedding)")
     ap.add_argument("--capacity-requests", type=int, default=48)
     ap.add_argument("--ttft-slo-ms", type=float, default=2000.0)
     ap.add_argument("--tpot-slo-ms", type=float, default=250.0)
@@ -79,6 +81,9 @@ def measure_capacity(args: argparse.Namespace, url: str, model: str) -> float:
     cfg = LoadConfig(**{**cfg.__dict__, "num_warmups": 2})
     result = asyncio.run(run_load(samples(args, args.capacity_requests, args.seed + 999), cfg))
     done = sum(r.success for r in result.records)
+    if done < len(result.records):
+        print(f"capacity loop: {len(result.records) - done} of {len(result.records)} requests not completed "
+              "(shed?): use fewer --capacity-concurrency", flush=True)
     return done / result.duration_s
 
 
