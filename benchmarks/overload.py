@@ -6,9 +6,9 @@
         [--result-dir kvpush-results/overload]
 
 Starts a colocated server and a 1P1D push deployment (P and D pinned to separate halves of the cores
-unless --no-pin) on the bench-preset model, all up at once. Per deployment it first measures capacity
-(completed requests per second of a closed loop of --capacity-concurrency clients, enough to keep
-prefills waiting) unless --capacity gives it, then offers Poisson load at each fraction of it for
+unless --no-pin) on the bench-preset model, all up at once. Per deployment it first measures capacity,
+its saturated throughput (completed requests per second while --probe-rps is offered, far more than
+it serves; the rest is shed), unless --capacity gives it, then offers Poisson load at each fraction of it for
 --duration-s, the deployments alternating at every level on the same prompts. Per level: goodput
 (requests meeting both the TTFT and the TPOT SLO, per second of offered load), completed (also per
 second), shed (429/503) and how fast each shed answer came, other failures, TTFT and TPOT of the
@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import os
 import shlex
 import sys
@@ -48,9 +47,8 @@ def parse_args() -> argparse.Namespace:
                     help="offered load as fractions of capacity (1.0 must be among them)")
     ap.add_argument("--duration-s", type=float, default=20.0, help="offered load per level")
     ap.add_argument("--capacity", type=float, default=None, help="requests/s at 100%% (default: measured)")
-    ap.add_argument("--capacity-concurrency", type=int, default=10,
-                    help="clients of the capacity loop: a full batch plus a few prefills waiting (no shedding)")
-    ap.add_argument("--capacity-requests", type=int, default=48)
+    ap.add_argument("--probe-rps", type=float, default=20.0, help="offered load of the capacity probe (far above it)")
+    ap.add_argument("--probe-s", type=float, default=10.0, help="duration of the capacity probe")
     ap.add_argument("--ttft-slo-ms", type=float, default=2000.0)
     ap.add_argument("--tpot-slo-ms", type=float, default=250.0)
     ap.add_argument("--input-len", type=int, default=256)
@@ -76,15 +74,11 @@ def load_config(url: str, model: str, rate: float, concurrency: int | None = Non
 
 
 def measure_capacity(args: argparse.Namespace, url: str, model: str) -> float:
-    """Completed requests per second of a closed loop that keeps the instance busy."""
-    cfg = load_config(url, model, math.inf, args.capacity_concurrency)
-    cfg = LoadConfig(**{**cfg.__dict__, "num_warmups": 2})
-    result = asyncio.run(run_load(samples(args, args.capacity_requests, args.seed + 999), cfg))
-    done = sum(r.success for r in result.records)
-    if done < len(result.records):
-        print(f"capacity loop: {len(result.records) - done} of {len(result.records)} requests not completed "
-              "(shed?): use fewer --capacity-concurrency", flush=True)
-    return done / result.duration_s
+    """The saturated throughput: completed requests per second while offered far more (the rest is shed)."""
+    cfg = LoadConfig(**{**load_config(url, model, args.probe_rps).__dict__, "num_warmups": 2})
+    n = round(args.probe_rps * args.probe_s)
+    result = asyncio.run(run_load(samples(args, n, args.seed + 999), cfg))
+    return sum(r.success for r in result.records) / result.duration_s
 
 
 def tree_rss_mb(pid: int) -> float:
