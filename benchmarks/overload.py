@@ -169,7 +169,7 @@ def main() -> None:
     model_path = args.model or ensure_model(default_model_dir(), "bench")
     args.vocab_size = json.loads((Path(model_path) / "config.json").read_text())["vocab_size"]
     out_dir = Path(args.result_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "logs").mkdir(parents=True, exist_ok=True)
     cfg = SuiteConfig(model=model_path, modes=tuple(args.deployments), serve_args=shlex.split(args.serve_args),
                       pin=not args.no_pin)
     fleet = Fleet(cfg, str(out_dir / "logs")).start()
