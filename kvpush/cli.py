@@ -10,6 +10,7 @@ import sys
 from dataclasses import fields
 
 from kvpush.config import (
+    AdmissionConfig,
     CacheConfig,
     CompileMode,
     EngineConfig,
@@ -100,18 +101,27 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--role", default=_default(ServerConfig, "role").value, choices=[r.value for r in Role])
     g.add_argument("--api-key", default=None)
     g.add_argument("--served-model-name", default=None)
-    g.add_argument("--max-waiting", type=int, default=_default(ServerConfig, "max_waiting"))
     g.add_argument("--cpus", default=None, metavar="LIST",
                    help="run this instance's processes and threads only on these CPUs, e.g. 0-3,6")
     g.add_argument("--shutdown-timeout", type=float, default=_default(ServerConfig, "shutdown_timeout_s"),
                    metavar="S", help="on SIGTERM: refuse new requests (503), let running ones finish for at "
                    "most S seconds, then end the rest with an error and tell the peers")
+    g = p.add_argument_group("admission (past these bounds a request gets 429 with Retry-After at once)")
+    g.add_argument("--max-waiting", type=int, default=_default(AdmissionConfig, "max_waiting"),
+                   help="requests queued beyond a full batch (--max-num-seqs)")
+    g.add_argument("--max-waiting-tokens", type=int, default=_default(AdmissionConfig, "max_waiting_tokens"),
+                   help="prompt tokens of requests that have no output token yet")
+    g.add_argument("--kv-headroom", type=float, default=_default(AdmissionConfig, "kv_headroom"),
+                   help="fraction of the KV cache kept free for running requests' growth")
+    g.add_argument("--retry-after-s", type=int, default=_default(AdmissionConfig, "retry_after_s"),
+                   help="Retry-After of a shed request")
 
 
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
     try:
+        admission = AdmissionConfig(args.max_waiting, args.max_waiting_tokens, args.kv_headroom, args.retry_after_s)
         return ServerConfig(host=args.host, port=args.port, role=Role(args.role), api_key=args.api_key,
-                            served_model_name=args.served_model_name, max_waiting=args.max_waiting,
+                            served_model_name=args.served_model_name, admission=admission,
                             cpus=_cpus(args.cpus) if args.cpus else (), shutdown_timeout_s=args.shutdown_timeout)
     except ValueError as e:
         raise SystemExit(f"kvpush: {e}") from e

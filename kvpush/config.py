@@ -86,13 +86,33 @@ class EngineConfig:
 
 
 @dataclass(frozen=True)
+class AdmissionConfig:
+    """Bounds past which an instance sheds new requests (429 + Retry-After; engine/admission.py).
+    The defaults never shed in normal use but bound the queues' memory; for a TTFT target, set
+    `max_waiting_tokens` to about the instance's prefill tokens per second times the target."""
+
+    max_waiting: int = 256  # requests queued beyond a full batch (--max-num-seqs), not counting those parked for KV
+    max_waiting_tokens: int = 1 << 20  # prompt tokens to prefill here of requests without an output token yet
+    kv_headroom: float = 0.0  # fraction of the KV cache kept free for running requests' growth
+    retry_after_s: int = 1  # the Retry-After of a 429 / 503
+
+    def __post_init__(self) -> None:
+        if self.max_waiting < 1 or self.max_waiting_tokens < 1:
+            raise ValueError("--max-waiting and --max-waiting-tokens must be at least 1")
+        if not 0 <= self.kv_headroom < 1:
+            raise ValueError(f"--kv-headroom must be in [0, 1), got {self.kv_headroom}")
+        if self.retry_after_s < 0:
+            raise ValueError(f"--retry-after-s must be >= 0, got {self.retry_after_s}")
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     role: Role = Role.COLOCATED
     api_key: str | None = None
     served_model_name: str | None = None
-    max_waiting: int = 256
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     cpus: tuple[int, ...] = ()  # --cpus: the instance's processes and threads run only there (empty: anywhere)
     request_timeout_s: float = 600.0
     # SIGTERM: stop admitting, let running requests (and P's handed-over transfers) finish this long,

@@ -17,7 +17,7 @@ from kvpush.engine.block_manager import BlockManager
 from kvpush.engine.kv_connector import EngineHooks
 from kvpush.engine.request import Request, RequestStatus
 from kvpush.engine.sampling_params import SamplingParams
-from kvpush.engine.scheduler import Admission, Scheduler
+from kvpush.engine.scheduler import Scheduler
 from kvpush.errors import InvalidRequestError
 from kvpush.kv_params import DecodeLegParams, PrefillLegParams, PrefillResult
 from kvpush.transfer import protocol as pr
@@ -103,11 +103,35 @@ def test_decode_admit_parks_and_registers_then_kv_ready_resumes_with_p_token():
     assert r.output_token_ids == [42] and r.num_computed_tokens == 9 and eng.scheduler.waiting[0] is r
 
 
-def test_decode_waits_for_blocks():
-    d, rt, eng = connect(DecodeConnector, Role.DECODE, KVMode.PUSH)
-    big = request(NUM_BLOCKS * BS + 1)
-    d.on_add(big, d_leg())
-    assert d.admit(big) is Admission.WAIT and rt.submitted == []
+@pytest.mark.parametrize("mode", [KVMode.PUSH, KVMode.PULL])
+def test_decode_without_free_blocks_refuses_and_tells_prefill(mode):
+    """D registers nothing it has no blocks for: the request is shed (429, kv_cache_full), P hears Abort
+    and frees its copy, and no block of D's stays taken."""
+    d, rt, eng = connect(DecodeConnector, Role.DECODE, mode)
+    hog = request(NUM_BLOCKS * BS - 2)  # a plain request holding all but one block
+    eng.scheduler.add(hog)
+    eng.scheduler.schedule(d.admit)
+    free = eng.blocks.num_free_blocks
+    r = request(9)
+    pull = {"block_ids": [1, 2, 3], "num_tokens": 9, "lease_expiry": time.time() + 9, "first_token_id": 5}
+    d.on_add(r, d_leg(mode, **(pull if mode is KVMode.PULL else {})))
+    eng.scheduler.add(r)
+    out = eng.scheduler.schedule(d.admit)
+    assert out.rejected == [r] and r.status is RequestStatus.FINISHED_ERROR
+    assert r.shed == "kv_cache_full" and "KV cache full" in (r.error or "")
+    (abort,) = rt.submitted
+    assert isinstance(abort, SendNotif) and abort.message == pr.Abort(TID) and abort.peer.engine_id == "prefill-0"
+    assert d.requests == {} and eng.blocks.num_free_blocks == free and r.block_table == []
+
+
+def test_decode_refuse_of_a_shed_leg_tells_prefill():
+    d, rt, _ = connect(DecodeConnector, Role.DECODE, KVMode.PUSH)
+    d.refuse(d_leg())
+    (abort,) = rt.submitted
+    assert isinstance(abort, SendNotif) and abort.message == pr.Abort(TID)
+    d.refuse(PrefillLegParams(transfer_id=TID, mode=KVMode.PUSH))  # not a decode leg: nothing to tell
+    d.refuse(d_leg(KVMode.PULL, FirstToken.RECOMPUTE, block_ids=[1], num_tokens=4, lease_expiry=time.time() + 9))
+    assert len(rt.submitted) == 1
 
 
 @pytest.mark.parametrize("policy", list(OnKVFailure))
@@ -123,7 +147,7 @@ def test_decode_late_request_is_rejected_or_computed_locally(policy):
     if policy is OnKVFailure.ERROR:
         assert out.rejected == [r] and r.status is RequestStatus.FINISHED_ERROR and "deadline" in (r.error or "")
     else:
-        assert out.scheduled == [(r, 9)] and r.kv_state is None and d.requests == {}
+        assert out.scheduled == [(r, 9)] and r.kv_state is None and not r.remote_prefill and d.requests == {}
     assert d.requests == {}
 
 

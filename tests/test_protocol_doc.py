@@ -96,3 +96,16 @@ def test_no_stale_claims() -> None:
     for stale in ("D does not send", "D neither checks", "TransferConfig.first_token`", "sends no `Authorization`",
                   "`recompute` (default)", "TransferWorker", "`Expect`"):
         assert stale not in text, stale
+
+
+@pytest.mark.parametrize("starts, field", [("requests waiting beyond", "max_waiting"),
+                                           ("prompt tokens waiting", "max_waiting_tokens"),
+                                           ("KV cache kept free", "kv_headroom"),
+                                           ("Retry-After", "retry_after_s")])
+def test_admission_defaults(facts: dict[str, str], starts: str, field: str) -> None:
+    from kvpush.config import AdmissionConfig
+
+    key = [k for k in facts if k.startswith(starts)][0]
+    assert f"--{field.removesuffix('_s').replace('_', '-')}" in key
+    value = re.search(r"default ([0-9.]+)", _row(facts, starts))
+    assert value and float(value.group(1)) == getattr(AdmissionConfig(), field)

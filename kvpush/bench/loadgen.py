@@ -236,7 +236,7 @@ class _Client:
         """POST the request and consume the stream into ``rec``."""
         body = request_body(sample, self.cfg)
         async with self.session.post(self.url, json=body, headers=self.headers) as resp:
-            rec.status = resp.status
+            rec.status, rec.status_s = resp.status, perf_counter() - t_send
             if resp.status != 200:
                 text = await resp.text(errors="replace")
                 rec.error = f"HTTP {resp.status}: {text[:MAX_ERROR_CHARS]}"

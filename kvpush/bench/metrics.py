@@ -62,6 +62,7 @@ class RequestRecord(msgspec.Struct, kw_only=True):
     start_s: float = 0.0
     success: bool = False
     status: int | None = None
+    status_s: float | None = None  # send -> the response's status line (a 429's or 503's answer time)
     error: str = ""
     ttft_s: float | None = None
     itl_s: list[float] = []

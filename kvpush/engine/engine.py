@@ -42,6 +42,7 @@ class EngineOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None
+    shed: str | None = None  # why the request was refused for lack of capacity (engine/admission.py)
     kv_transfer_params: PrefillResult | None = None  # P's answer for the proxy
     trace: dict[str, float] | None = None
 
@@ -174,6 +175,7 @@ class LLMEngine:
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=request.num_cached_tokens,
             error=request.error,
+            shed=request.shed,
             kv_transfer_params=request.kv_result if request.is_finished else None,
             trace=dict(request.trace) if request.is_finished else None,
         )

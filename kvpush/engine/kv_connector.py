@@ -108,6 +108,12 @@ class KVConnector(ABC):
         allocate the request's blocks before it answers PARK."""
         return Admission.RUN
 
+    def refuse(self, params: RequestLegParams) -> None:
+        """Called when the instance sheds a leg before it reached the engine (admission control).
+        Tells the peer what it needs to know so that nothing stays held for the transfer (D: Abort
+        to P). Must not block."""
+        return None
+
     def before_forward(self, scheduled: list[tuple[Request, int]]) -> None:
         """Called with each step's batch right before the forward pass. Must not block."""
         return None

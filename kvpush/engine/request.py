@@ -72,6 +72,8 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache (or a remote prefill)
     num_preemptions: int = 0
     error: str | None = None
+    remote_prefill: bool = False  # its prompt's KV is computed by a peer (decode role), not here
+    shed: str | None = None  # the request was refused for lack of capacity (a ShedReason): HTTP 429, not a fault
     generator: torch.Generator | None = None
     # Timestamps (time.time()) of the request's handover breakdown; filled by roles that move KV.
     trace: dict[str, float] = field(default_factory=dict)

@@ -71,6 +71,18 @@ class Scheduler:
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running) + len(self.remote)
 
+    def num_blocks_to_start(self) -> int:
+        """Blocks the unfinished requests still need for their prompt and next token (what admission
+        reserves for them before it admits another)."""
+        bm = self.block_manager
+        return sum(max(0, bm.blocks_needed(r.num_tokens + 1) - len(r.block_table)) for r in self.requests.values())
+
+    def num_waiting_tokens(self) -> int:
+        """Prompt tokens of the unfinished requests that have no output token yet and whose prompt is
+        computed here (not by a prefill peer): the prefill work ahead of a new request."""
+        return sum(r.num_prompt_tokens for r in self.requests.values()
+                   if not r.output_token_ids and not r.remote_prefill)
+
     def finish(self, request: Request, status: RequestStatus) -> None:
         """Move a request to a finished status and free its blocks. Idempotent."""
         if request.is_finished:

@@ -18,6 +18,7 @@ from contextlib import aclosing
 from aiohttp import web
 
 from kvpush.config import Role, ServerConfig
+from kvpush.engine.admission import ShedReason, decide
 from kvpush.engine.engine import check_prompt
 from kvpush.engine.sampling_params import SamplingParams
 from kvpush.errors import InvalidRequestError
@@ -68,7 +69,9 @@ class OpenAIServer:
         except InvalidRequestError as e:
             return self._error(400, str(e), e.param)
         except EngineRequestError as e:
-            return self._error(e.status, str(e))
+            if e.shed is not None:
+                self.metrics.shed.labels(reason=e.shed).inc()
+            return self._error(e.status, str(e), code=e.shed)
         except web.HTTPException as e:
             if e.status < 400:
                 raise
@@ -97,8 +100,12 @@ class OpenAIServer:
             self.drain.active -= 1
 
     def _error(self, status: int, message: str, param: str | None = None, code: str | None = None) -> web.Response:
+        """An OpenAI error body; a 429 or 503 (overloaded, unavailable) says when to retry."""
         self.metrics.http_errors.labels(status=str(status)).inc()
-        return R.error_response(status, message, param, code)
+        resp = R.error_response(status, message, param, code)
+        if status in (429, 503):
+            resp.headers["Retry-After"] = str(self.config.admission.retry_after_s)
+        return resp
 
     # ---- simple routes -------------------------------------------------------------------
     async def health(self, request: web.Request) -> web.Response:
@@ -139,13 +146,16 @@ class OpenAIServer:
         if model is not None and model not in self.accepted_names:
             raise web.HTTPNotFound(reason=f"model {model!r} does not exist; this server serves {self.model_name!r}")
 
-    def _admit(self, n: int) -> None:
-        if not self.engine.healthy:
-            raise EngineRequestError("engine is not running", 503)
-        waiting = self.engine.num_in_flight - self.engine.stats.num_running
-        if waiting + n > self.config.max_waiting:
-            raise EngineRequestError(f"server busy: {waiting} requests waiting (--max-waiting "
-                                     f"{self.config.max_waiting})", 503)
+    def _admit(self, ids: list[list[int]], kv: RequestLegParams | None) -> None:
+        """Admission control (engine/admission.py), decided here within milliseconds whatever the engine
+        is doing. A shed leg's peer is told through the engine core (D: Abort to P)."""
+        if not self.engine.healthy or self.engine.info is None:
+            raise EngineRequestError("engine is not running", 503, ShedReason.UNAVAILABLE.value)
+        shed = decide(self.config.admission, self.engine.load(), [len(p) for p in ids], self.engine.info.block_size)
+        if shed is not None:
+            if kv is not None:
+                self.engine.refuse(kv)
+            raise EngineRequestError(shed.message, shed.status, shed.reason.value)
 
     def _check_prompt(self, ids: list[int], params: SamplingParams, explicit_max: bool) -> SamplingParams:
         info = self.engine.info
@@ -195,7 +205,7 @@ class OpenAIServer:
         ids = [p if isinstance(p, list) else self.tokenizer.encode(p) for p in prompts]
         for p in ids:
             self._check_prompt(p, params, body.max_tokens is not None)
-        self._admit(len(ids))
+        self._admit(ids, kv)
         rid = self._new_id("cmpl")
         states = [GenState(f"{rid}-{i}", p, stamps={"api_received": received}) for i, p in enumerate(ids)]
         for s in states:
@@ -275,7 +285,7 @@ class OpenAIServer:
         default = max(1, (info.max_model_len if info else 1) - len(ids))
         body.max_tokens = max_tokens
         params = self._check_prompt(ids, body.sampling_params(default, body.chat_logprobs()), max_tokens is not None)
-        self._admit(1)
+        self._admit([ids], kv)
         rid = self._new_id("chatcmpl")
         state = GenState(rid, ids, stamps={"api_received": received})
         self.generator.submit(state, params, kv)

@@ -15,10 +15,13 @@ import logging
 import multiprocessing as mp
 import threading
 import time
+from collections import deque
 from multiprocessing.connection import Connection
 
 from kvpush.config import EngineConfig
+from kvpush.engine.admission import Load, blocks_for
 from kvpush.errors import ModelLoadError
+from kvpush.kv_params import DecodeLegParams, RequestLegParams
 from kvpush.server import messages as m
 from kvpush.server.engine_core import run_engine_core
 
@@ -38,6 +41,13 @@ class EngineClient:
         self._to_core: Connection | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ready: asyncio.Future[m.CoreReady] | None = None
+        # Admission's view between two stats: requests with no output token yet (prompt tokens), and
+        # requests sent that the core had not taken in at its last stats (their blocks).
+        self._pending: dict[str, int] = {}
+        self.pending_tokens = 0
+        self._num_sent = 0
+        self._in_transit: deque[tuple[int, int]] = deque()  # (sequence number, blocks)
+        self._in_transit_blocks = 0
 
     # ---- lifecycle -----------------------------------------------------------------------
     async def start(self, target=run_engine_core, extra_args: tuple = ()) -> m.CoreReady:
@@ -58,6 +68,8 @@ class EngineClient:
         except TimeoutError as e:
             await self.shutdown()
             raise ModelLoadError(f"engine core did not start within {self.start_timeout_s} s") from e
+        if self.stats.num_total_blocks == 0:  # admission's view until the core's first stats arrive
+            self.stats = m.EngineStats(num_free_blocks=self.info.num_blocks, num_total_blocks=self.info.num_blocks)
         self.healthy = True
         return self.info
 
@@ -83,10 +95,19 @@ class EngineClient:
                                             error="engine is not running"))
             return queue
         self.queues[request.request_id] = queue
+        n = len(request.prompt_token_ids)
+        if not isinstance(request.kv_transfer_params, DecodeLegParams):  # a decode leg's prompt is P's work
+            self._pending[request.request_id] = n
+            self.pending_tokens += n
+        self._num_sent += 1
+        blocks = blocks_for(n, self.info.block_size) if self.info is not None else 0
+        self._in_transit.append((self._num_sent, blocks))
+        self._in_transit_blocks += blocks
         self._send(request)
         return queue
 
     def abort(self, request_id: str) -> None:
+        self._unpend(request_id)
         if self.queues.pop(request_id, None) is not None:
             self._send(m.AbortRequest(request_id))
 
@@ -99,6 +120,27 @@ class EngineClient:
                                                            error_status=status))
             self._send(m.AbortRequest(rid))
         return len(open_ids)
+
+    def refuse(self, kv_transfer_params: RequestLegParams) -> None:
+        """A leg was shed before it reached the engine: the core's KV connector tells the peer."""
+        if self.healthy:
+            self._send(m.RefuseLeg(kv_transfer_params))
+
+    def load(self) -> Load:
+        """Admission's view of the engine: its last stats plus the requests sent since."""
+        st, batch = self.stats, self.config.scheduler.max_num_seqs
+        return Load(num_waiting=max(0, self.num_in_flight - st.num_waiting_for_kv - batch),
+                    waiting_tokens=self.pending_tokens, num_running=st.num_running, free_blocks=st.num_free_blocks,
+                    reserved_blocks=st.kv_reserved_blocks + self._in_transit_blocks,
+                    total_blocks=st.num_total_blocks)
+
+    def _unpend(self, request_id: str) -> None:
+        self.pending_tokens -= self._pending.pop(request_id, 0)
+
+    def _taken_in(self, num_added: int) -> None:
+        """The core has taken in its first `num_added` requests: they are in its stats now."""
+        while self._in_transit and self._in_transit[0][0] <= num_added:
+            self._in_transit_blocks -= self._in_transit.popleft()[1]
 
     def _send(self, msg: m.ToCore) -> None:
         assert self._to_core is not None
@@ -133,7 +175,10 @@ class EngineClient:
         if isinstance(msg, m.StepOutputs):
             if msg.stats is not None:
                 self.stats = msg.stats
+                self._taken_in(msg.stats.num_added)
             for delta in msg.deltas:
+                if delta.new_token_ids or delta.finish_reason is not None:
+                    self._unpend(delta.request_id)
                 queue = self.queues.get(delta.request_id)
                 if queue is None:
                     continue
@@ -158,5 +203,7 @@ class EngineClient:
         for rid, queue in list(self.queues.items()):
             queue.put_nowait(m.RequestDelta(rid, [], finish_reason="error", error=reason))
         self.queues.clear()
+        self._pending.clear()
+        self.pending_tokens = 0
         if reason != "engine core exited":
             log.error("engine core: %s", reason)

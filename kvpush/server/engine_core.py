@@ -18,7 +18,8 @@ import time
 from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING
 
-from kvpush.config import EngineConfig, Role, TransferConfig
+from kvpush.config import AdmissionConfig, EngineConfig, Role, TransferConfig
+from kvpush.engine.admission import Load, decide
 from kvpush.engine.engine import EngineOutput, LLMEngine
 from kvpush.errors import InvalidRequestError, KVPushError
 from kvpush.server import messages as m
@@ -55,9 +56,11 @@ class Waker:
 
 class EngineCore:
     def __init__(self, engine: LLMEngine, conn_in: Connection, conn_out: Connection, waker: Waker,
-                 connector: RuntimeConnector | None = None) -> None:
+                 connector: RuntimeConnector | None = None, admission: AdmissionConfig | None = None) -> None:
         self.engine = engine
         self.connector = connector
+        self.admission = admission or AdmissionConfig()
+        self.num_added = 0
         self.conn_in = conn_in
         self.conn_out = conn_out
         self.waker = waker
@@ -98,16 +101,38 @@ class EngineCore:
             self._add(msg)
         elif isinstance(msg, m.AbortRequest):
             self.engine.abort_request(msg.request_id)
+        elif isinstance(msg, m.RefuseLeg):
+            if self.connector is not None:
+                self.connector.refuse(msg.kv_transfer_params)
         elif isinstance(msg, m.Shutdown):
             self.stopped = True
 
     def _add(self, msg: m.AddRequest) -> None:
+        """Admission on the core's exact state (the API decided on its last stats): a request past the
+        bounds is refused here, so that the engine's own queue is bounded too."""
+        self.num_added += 1
+        shed = decide(self.admission, self.load(), [len(msg.prompt_token_ids)], self.engine.block_manager.block_size)
+        if shed is not None:
+            if self.connector is not None and msg.kv_transfer_params is not None:
+                self.connector.refuse(msg.kv_transfer_params)
+            self._fail(msg.request_id, shed.message, shed.status, shed.reason.value)
+            return
         try:
             self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.sampling_params,
                                     msg.kv_transfer_params)
         except InvalidRequestError as e:
-            delta = m.RequestDelta(msg.request_id, [], finish_reason="error", error=str(e), error_status=400)
-            self.conn_out.send_bytes(m.encode(m.StepOutputs([delta])))
+            self._fail(msg.request_id, str(e), 400)
+
+    def _fail(self, request_id: str, error: str, status: int, shed: str | None = None) -> None:
+        delta = m.RequestDelta(request_id, [], finish_reason="error", error=error, error_status=status, shed=shed)
+        self.conn_out.send_bytes(m.encode(m.StepOutputs([delta])))
+
+    def load(self) -> Load:
+        s, bm = self.engine.scheduler, self.engine.block_manager
+        beyond_batch = len(s.waiting) + len(s.running) - s.config.max_num_seqs
+        return Load(num_waiting=max(0, beyond_batch), waiting_tokens=s.num_waiting_tokens(), num_running=len(s.running),
+                    free_blocks=bm.num_free_blocks, reserved_blocks=s.num_blocks_to_start(),
+                    total_blocks=bm.num_blocks)
 
     def _send(self, outputs: list[EngineOutput]) -> None:
         now = time.monotonic()
@@ -131,7 +156,8 @@ class EngineCore:
     def _stats_key(self) -> tuple[int, ...]:
         """Cheap summary of the state /metrics shows: stats go out at once when it changes."""
         s = self.engine.scheduler
-        return (len(s.running), len(s.waiting), len(s.remote), self.engine.block_manager.num_free_blocks)
+        return (len(s.running), len(s.waiting), len(s.remote), self.engine.block_manager.num_free_blocks,
+                self.num_added)
 
     def stats(self) -> m.EngineStats:
         s, bm = self.engine.scheduler, self.engine.block_manager
@@ -146,6 +172,8 @@ class EngineCore:
             prefix_cache_hits=bm.num_hits,
             steps=self.engine.step_count,
             compiled_graphs=self.engine.runner.num_compiled_graphs,
+            num_added=self.num_added,
+            kv_reserved_blocks=s.num_blocks_to_start(),
             transfer=self.connector.stats() if self.connector is not None else None,
         )
 
@@ -159,7 +187,8 @@ def to_delta(o: EngineOutput) -> m.RequestDelta:
         num_prompt_tokens=o.num_prompt_tokens,
         num_cached_tokens=o.num_cached_tokens,
         error=o.error,
-        error_status=502 if o.error and o.error.startswith("KV transfer") else 500,
+        error_status=429 if o.shed else 502 if o.error and o.error.startswith("KV transfer") else 500,
+        shed=o.shed,
         kv_transfer_params=o.kv_transfer_params,
         trace=o.trace,
     )
@@ -184,7 +213,8 @@ def build_engine(config: EngineConfig, role: Role, transfer: TransferConfig,
 
 
 def run_engine_core(config: EngineConfig, conn_in: Connection, conn_out: Connection,
-                    role: Role = Role.COLOCATED, transfer: TransferConfig | None = None) -> None:
+                    role: Role = Role.COLOCATED, transfer: TransferConfig | None = None,
+                    admission: AdmissionConfig | None = None) -> None:
     """Entry point of the spawned engine-core process."""
     # The API process owns the lifecycle (drain on SIGTERM, then Shutdown; EOF if it dies): a signal
     # sent to the whole process group (Ctrl-C, kill -TERM -PGID) must not end the core mid-drain.
@@ -202,7 +232,7 @@ def run_engine_core(config: EngineConfig, conn_in: Connection, conn_out: Connect
                         engine_id=connector.engine_id if connector else "", role=role.value,
                         kv_mode=transfer.kv_mode.value if connector and transfer else None)
     conn_out.send_bytes(m.encode(ready))
-    core = EngineCore(engine, conn_in, conn_out, waker, connector)
+    core = EngineCore(engine, conn_in, conn_out, waker, connector, admission)
     try:
         core.run()
     except (BrokenPipeError, EOFError):

@@ -23,11 +23,13 @@ from kvpush.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 class EngineRequestError(KVPushError):
-    """The engine failed a request; `status` is the HTTP status to answer with."""
+    """The engine failed a request; `status` is the HTTP status to answer with, `shed` the reason
+    when admission control refused it (engine/admission.py: 429 or 503 with Retry-After)."""
 
-    def __init__(self, message: str, status: int) -> None:
+    def __init__(self, message: str, status: int, shed: str | None = None) -> None:
         super().__init__(message)
         self.status = status
+        self.shed = shed
 
 
 @dataclass
@@ -90,7 +92,7 @@ class Generator:
                 delta = await queue.get()
                 if delta.finish_reason == "error":
                     state.finish_reason = "error"
-                    raise EngineRequestError(delta.error or "request failed", delta.error_status)
+                    raise EngineRequestError(delta.error or "request failed", delta.error_status, delta.shed)
                 if first is None and delta.new_token_ids:
                     first = time.monotonic()
                     state.stamps["api_got"] = self.engine.first_received.get(state.request_id, 0.0)

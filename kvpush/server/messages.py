@@ -1,6 +1,6 @@
 """Typed messages between the API process and the engine-core process (msgpack over a pipe).
 
-    API -> core:  AddRequest, AbortRequest, Shutdown
+    API -> core:  AddRequest, AbortRequest, RefuseLeg, Shutdown
     core -> API:  CoreReady (once, after the model is loaded), StepOutputs (deltas + stats),
                   CoreFailed (the core could not start or crashed; carries the reason)
 """
@@ -31,6 +31,12 @@ class AbortRequest(msgspec.Struct, tag=True):
     request_id: str
 
 
+class RefuseLeg(msgspec.Struct, tag=True):
+    """The API process shed a leg before it reached the engine: its KV connector tells the peer."""
+
+    kv_transfer_params: RequestLegParams
+
+
 class Shutdown(msgspec.Struct, tag=True):
     pass
 
@@ -44,6 +50,7 @@ class RequestDelta(msgspec.Struct):
     num_cached_tokens: int = 0
     error: str | None = None
     error_status: int = 500  # HTTP status the API answers with when finish_reason is "error"
+    shed: str | None = None  # refused for lack of capacity (a ShedReason; error_status 429)
     kv_transfer_params: PrefillResult | None = None  # P's answer for the proxy
     trace: dict[str, float] | None = None
 
@@ -59,6 +66,8 @@ class EngineStats(msgspec.Struct):
     prefix_cache_hits: int = 0
     steps: int = 0
     compiled_graphs: int = 0
+    num_added: int = 0  # AddRequests the core has taken in (admitted or not): the API's in-transit count
+    kv_reserved_blocks: int = 0  # blocks unfinished requests still need for their prompt and next token
     transfer: TransferStats | None = None
 
 
@@ -95,7 +104,7 @@ class CoreFailed(msgspec.Struct, tag=True):
     reason: str
 
 
-ToCore = AddRequest | AbortRequest | Shutdown
+ToCore = AddRequest | AbortRequest | RefuseLeg | Shutdown
 FromCore = StepOutputs | CoreReady | CoreFailed
 
 _encoder = msgspec.msgpack.Encoder()

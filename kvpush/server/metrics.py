@@ -133,6 +133,8 @@ class ServerMetrics:
         self.requests = Counter("kvpush_requests_finished", "Finished requests", ["finish_reason"],
                                 registry=r)
         self.http_errors = Counter("kvpush_http_errors", "Error responses", ["status"], registry=r)
+        self.shed = Counter("kvpush_requests_shed", "Requests refused by admission control (429 / 503)",
+                            ["reason"], registry=r)
         self.prefix_hits = Gauge("kvpush_prefix_cache_hits", "Prefix cache lookups with a hit", registry=r)
         self.prefix_queries = Gauge("kvpush_prefix_cache_queries", "Prefix cache lookups", registry=r)
         self.ttft = Histogram("kvpush_time_to_first_token_seconds", "Time to first token",

@@ -40,6 +40,7 @@ log = logging.getLogger("kvpush.proxy")
 ROUTES = ("/v1/completions", "/v1/chat/completions")
 _kv_info_decoder = msgspec.json.Decoder(KVInfo)
 TRACE_WAIT_S = 1.0  # push: how long D's final chunk may wait for P's answer to merge P's stamps
+NO_INSTANCE_RETRY_AFTER_S = 1  # Retry-After of the proxy's own 503 (no healthy instance of a role)
 
 
 @dataclass
@@ -54,6 +55,7 @@ class Instance:
     draining: bool = False  # shutting down: finishes its requests, takes no new ones
     in_flight: int = 0
     served: int = 0
+    shed_until: float = 0.0  # monotonic time until which it said it sheds (its 429/503's Retry-After)
 
     @property
     def usable(self) -> bool:
@@ -70,12 +72,21 @@ class Instance:
 
 
 class LegError(Exception):
-    """One leg answered with an error; carries the status and body to give the client."""
+    """One leg answered with an error; carries the status, body and Retry-After to give the client,
+    and which instance answered it."""
 
-    def __init__(self, status: int, body: bytes) -> None:
+    def __init__(self, status: int, body: bytes, instance: Instance | None = None,
+                 retry_after: str | None = None) -> None:
         super().__init__(f"leg failed with {status}")
         self.status = status
         self.body = body
+        self.instance = instance
+        self.retry_after = retry_after
+
+    @property
+    def shed(self) -> bool:
+        """The instance refused the request for lack of capacity (or is unavailable): another may not."""
+        return self.status in (429, 503) and self.instance is not None
 
 
 class DecodeUnavailable(Exception):
@@ -183,6 +194,8 @@ class Proxy:
         healthy = [i for i in pool if i.usable and i.url not in (exclude or ())]
         if not healthy:
             raise web.HTTPServiceUnavailable(reason=f"no healthy {role} instance")
+        now = time.monotonic()
+        healthy = [i for i in healthy if i.shed_until <= now] or healthy  # those shedding only if all are
         if self.config.policy == "least-loaded":
             return min(healthy, key=lambda i: (i.in_flight, i.served))
         return healthy[next(self._rr[role]) % len(healthy)]
@@ -206,12 +219,16 @@ class Proxy:
             return await handler(request)
         except LegError as e:
             self.metrics.requests.labels(status=str(e.status)).inc()
-            return web.Response(body=e.body, status=e.status, content_type="application/json")
+            headers = {"Retry-After": e.retry_after} if e.retry_after is not None else None
+            return web.Response(body=e.body, status=e.status, content_type="application/json", headers=headers)
         except web.HTTPException as e:
             if e.status < 400:
                 raise
             self.metrics.requests.labels(status=str(e.status)).inc()
-            return R.error_response(e.status, e.reason or "error")
+            resp = R.error_response(e.status, e.reason or "error")
+            if e.status == 503:
+                resp.headers["Retry-After"] = str(NO_INSTANCE_RETRY_AFTER_S)
+            return resp
 
     async def health(self, request: web.Request) -> web.Response:
         if not self._ready():
@@ -243,10 +260,14 @@ class Proxy:
     async def open_leg(self, path: str, body: dict, transfer_id: str, received: float | None = None) -> Leg:
         """Dispatch one prompt's P and D legs; return once D answered 200 (its first token exists).
         A prefill leg that fails before that (P unreachable or answering 5xx) is retried on another
-        prefill instance, as transfer `<transfer_id>.<attempt>`. The caller must `end_leg` the result."""
+        prefill instance, as transfer `<transfer_id>.<attempt>`; a leg an instance sheds (429 / 503) is
+        retried on another instance of that role not tried yet and not shedding, if there is one (else
+        the client gets the 429 / 503 and its Retry-After). The caller must `end_leg` the result."""
         tried: set[str] = set()
+        tried_d: set[str] = set()
         for attempt in itertools.count():
-            d = Dispatch(self.pick(self.prefills, "prefill", exclude=tried), self.pick(self.decodes, "decode", tried),
+            d = Dispatch(self.pick(self.prefills, "prefill", exclude=tried),
+                         self.pick(self.decodes, "decode", exclude=tried_d),
                          f"{transfer_id}.{attempt}" if attempt else transfer_id,
                          first_token_for(body, self.config.first_token), {"proxy_received": received or time.time()})
             d.trace["dispatched"] = time.time()
@@ -265,14 +286,35 @@ class Proxy:
                     raise e.error from None
             except DecodeUnavailable as e:  # push: P's leg was cancelled with it; dispatch both anew
                 self.end_leg(d)
-                tried.add(d.decode.url)
+                tried_d.add(d.decode.url)
                 self.metrics.rerouted.labels(role="decode", reason=e.reason).inc()
-                if not any(i.usable and i.url not in tried for i in self.decodes):
+                if not any(i.usable and i.url not in tried_d for i in self.decodes):
                     raise e.error from None
+            except LegError as e:
+                self.end_leg(d)
+                if not self._shed_elsewhere(e, tried if e.instance is d.prefill else tried_d):
+                    raise
             except BaseException:
                 self.end_leg(d)
                 raise
         raise AssertionError("unreachable")
+
+    def _shed_elsewhere(self, e: LegError, tried: set[str]) -> bool:
+        """An instance shed the leg: remember it for its Retry-After; True if another instance of its
+        role can be tried (healthy, not tried for this request, not shedding)."""
+        inst = e.instance
+        if not e.shed or inst is None:
+            return False
+        inst.shed_until = time.monotonic() + _seconds(e.retry_after)
+        tried.add(inst.url)
+        self.metrics.shed.labels(role=inst.role, status=str(e.status)).inc()
+        pool = self.prefills if inst.role == "prefill" else self.decodes
+        now = time.monotonic()
+        if not any(i.healthy and i.url not in tried and i.shed_until <= now for i in pool):
+            return False
+        self.metrics.shed_retries.inc()
+        log.info("%s shed a request (%d); trying another %s instance", inst.url, e.status, inst.role)
+        return True
 
     def end_leg(self, d: Dispatch) -> None:
         d.prefill.in_flight -= 1
@@ -336,12 +378,13 @@ class Proxy:
         try:
             async with self.session.post(d.prefill.url + path, json=leg) as r:
                 data = await r.read()
+                error = LegError(r.status, data, d.prefill, r.headers.get("Retry-After"))
                 if r.status >= 500:
                     if d.prefill.refused(r.status, data):
                         self.metrics.rerouted.labels(role="prefill", reason="draining").inc()
-                    raise PrefillFailed(LegError(r.status, data))
+                    raise PrefillFailed(error)
                 if r.status != 200:
-                    raise LegError(r.status, data)
+                    raise error
         except aiohttp.ClientError as e:
             d.prefill.healthy = False  # the prober brings it back when it answers again
             message = f"prefill instance {d.prefill.url} unreachable: {e}"
@@ -372,9 +415,10 @@ class Proxy:
         if resp.status != 200:
             data = await resp.read()
             resp.release()
+            error = LegError(resp.status, data, d.decode, resp.headers.get("Retry-After"))
             if d.decode.refused(resp.status, data):
-                raise DecodeUnavailable(LegError(resp.status, data), "draining")
-            raise LegError(resp.status, data)
+                raise DecodeUnavailable(error, "draining")
+            raise error
         return resp
 
     async def _relay(self, request: web.Request, d_resp: aiohttp.ClientResponse, d: Dispatch) -> web.StreamResponse:
@@ -406,6 +450,14 @@ class Proxy:
                 d_resp.release()
             else:
                 d_resp.close()  # the client left or the stream broke: D sees the disconnect and aborts
+
+
+def _seconds(retry_after: str | None) -> float:
+    """A Retry-After in seconds (an HTTP date or garbage counts as 1 s)."""
+    try:
+        return max(0.0, float(retry_after)) if retry_after is not None else 1.0
+    except ValueError:
+        return 1.0
 
 
 def prefill_body(body: dict, kv_params: dict) -> dict:

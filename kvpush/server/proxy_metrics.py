@@ -11,6 +11,10 @@ class ProxyMetrics:
         self.requests = Counter("kvpush_proxy_requests", "Requests answered, by HTTP status", ["status"], registry=r)
         self.retries = Counter("kvpush_proxy_prefill_retries", "Requests re-dispatched after a prefill failure",
                                registry=r)
+        self.shed = Counter("kvpush_proxy_shed", "Legs an instance shed (429 / 503 with Retry-After)",
+                            ["role", "status"], registry=r)
+        self.shed_retries = Counter("kvpush_proxy_shed_retries", "Requests re-dispatched to another instance "
+                                    "after one shed them", registry=r)
         self.healthy = Gauge("kvpush_proxy_instance_healthy", "1 if the instance answers its probes",
                              ["role", "url"], registry=r)
         self.draining = Gauge("kvpush_proxy_instance_draining", "1 while the instance drains (not chosen)",

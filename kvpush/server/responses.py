@@ -14,7 +14,8 @@ from kvpush.tokenizer import Tokenizer
 _json = msgspec.json.Encoder()
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-               405: "invalid_request_error", 413: "invalid_request_error", 503: "service_unavailable",
+               405: "invalid_request_error", 413: "invalid_request_error", 429: "overloaded_error",
+               503: "service_unavailable",
                502: "upstream_error", 500: "server_error"}
 
 

@@ -51,7 +51,7 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig,
                 transfer_config: TransferConfig | None = None) -> None:
     tokenizer = Tokenizer.from_pretrained(engine_config.model.model)
     engine = EngineClient(engine_config)
-    await engine.start(extra_args=(server_config.role, transfer_config or TransferConfig()))
+    await engine.start(extra_args=(server_config.role, transfer_config or TransferConfig(), server_config.admission))
     server = OpenAIServer(server_config, engine, tokenizer, engine_config.model.model)
     runner = await start_http(server.build_app(), server_config.host, server_config.port, shutdown_timeout_s=2.0)
     where = f" on cpus {format_cpus(server_config.cpus)}" if server_config.cpus else ""

@@ -1,7 +1,8 @@
 """The decode side (D) of a disaggregated deployment: its KV connector.
 
 Request lifecycle on D:
-    admitted with DecodeLegParams -> WAITING (until blocks are free)
+    admitted with DecodeLegParams -> WAITING (until a sequence slot is free)
+    -> no free blocks: refused (429, shed kv_cache_full), P is told to Abort
     -> blocks allocated; D's prefix cache covers the first blocks, the rest is received:
          nothing to receive: P is told to Release; the request runs at once
          push: PushReg sent to P (Register)     pull: READ of P's blocks posted (Read)
@@ -22,6 +23,7 @@ import time
 from dataclasses import dataclass
 
 from kvpush.config import FirstToken, KVMode, OnKVFailure, TransferConfig
+from kvpush.engine.admission import ShedReason
 from kvpush.engine.request import Request, RequestStatus
 from kvpush.engine.scheduler import Admission
 from kvpush.errors import InvalidRequestError
@@ -70,6 +72,7 @@ class DecodeConnector(RuntimeConnector):
         # Pull: P said how long it holds the blocks; push: P's lease starts when its prefill ends, so
         # D assumes the deployment's --kv-lease-s (set it alike on P and D).
         lease_s = params.lease_expiry - now if params.lease_expiry is not None else self.config.kv_lease_s
+        request.remote_prefill = True
         request.kv_state = DecodeState(params, deadline=now + self.config.kv_timeout_s,
                                        lease_until=params.lease_expiry, lease_s=max(lease_s, 0.1), renewed_at=now)
         self.requests[params.transfer_id] = request
@@ -87,7 +90,7 @@ class DecodeConnector(RuntimeConnector):
         if st.params.mode.is_push and st.need_len == n:
             hits = hits[: (n - 1) // bs]  # P's first token rides on Done: leave at least one block to push
         if not hooks.allocate(request, n - len(hits) * bs, hits):
-            return Admission.WAIT
+            return self._no_blocks(request, st, n - len(hits) * bs)
         st.admitted = True
         request.num_cached_tokens = len(hits) * bs
         st.transfer_blocks = tuple(request.block_table[len(hits) : -(-st.need_len // bs)])
@@ -107,6 +110,20 @@ class DecodeConnector(RuntimeConnector):
             return Admission.RUN
         request.error = "KV transfer from prefill failed: deadline passed before decode capacity was free"
         return Admission.REJECT
+
+    def _no_blocks(self, request: Request, st: DecodeState, num_tokens: int) -> Admission:
+        """No free blocks to register: refuse rather than wait (P's KV would stay pinned meanwhile).
+        P is told (Abort) and frees its copy; the client gets 429 with Retry-After."""
+        self.refuse(st.params)
+        request.error = (f"KV cache full: decode has no free blocks for the {num_tokens} tokens this "
+                         "transfer needs")
+        request.shed = ShedReason.KV_CACHE_FULL.value
+        return Admission.REJECT
+
+    def refuse(self, params: RequestLegParams) -> None:
+        if isinstance(params, DecodeLegParams) and params.mode is self.runtime.mode:
+            peer = PeerAddr(params.prefill_engine_id, params.prefill_kv_host, params.prefill_kv_port)
+            self.runtime.thread.submit(SendNotif(peer, pr.Abort(params.transfer_id)))
 
     def _renew_leases(self) -> None:
         """Requests still waiting for blocks keep P's copy of their KV alive (LeaseRenew)."""
@@ -207,6 +224,7 @@ class DecodeConnector(RuntimeConnector):
         request.trace["kv_fallback_local"] = time.time()  # stamped in the response: never a silent re-prefill
         self.requests.pop(st.params.transfer_id, None)
         request.kv_state = None
+        request.remote_prefill = False
 
     def stats(self) -> TransferStats:
         stats = super().stats()
