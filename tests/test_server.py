@@ -172,3 +172,26 @@ def test_api_key(server_factory, tiny_model):
     assert got == 200
     with urllib.request.urlopen(server.url + "/health", timeout=5) as r:
         assert r.status == 200
+
+
+def test_taken_port_exits_with_a_clear_message(tiny_model, tmp_path):
+    """A port already in use ends `kvpush serve` at once with a CLI message; the engine core, already
+    started, must not keep the process alive (it used to wait for it forever)."""
+    import socket
+
+    from kvpush.launch import ServerProcess, free_port
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", free_port()))
+    taken.listen()
+    port = taken.getsockname()[1]
+    log = tmp_path / "serve.log"
+    server = ServerProcess(["serve", tiny_model, "--port", str(port), "--torch-threads", "1"], log_path=str(log))
+    try:
+        server.start()
+        assert server.proc is not None
+        assert server.proc.wait(timeout=120) != 0
+        assert f"cannot listen on 127.0.0.1:{port}" in log.read_text()
+    finally:
+        server.stop()
+        taken.close()

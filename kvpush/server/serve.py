@@ -53,7 +53,12 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig,
     engine = EngineClient(engine_config)
     await engine.start(extra_args=(server_config.role, transfer_config or TransferConfig(), server_config.admission))
     server = OpenAIServer(server_config, engine, tokenizer, engine_config.model.model)
-    runner = await start_http(server.build_app(), server_config.host, server_config.port, shutdown_timeout_s=2.0)
+    try:
+        runner = await start_http(server.build_app(), server_config.host, server_config.port, shutdown_timeout_s=2.0)
+    except OSError as e:  # e.g. the port is taken: stop the engine core, or exit would wait for it
+        await engine.shutdown()
+        raise SystemExit(f"kvpush: cannot listen on {server_config.host}:{server_config.port}: "
+                         f"{e.strerror or e}") from e
     where = f" on cpus {format_cpus(server_config.cpus)}" if server_config.cpus else ""
     print(f"kvpush: serving {server.model_name} ({server_config.role.value}) on "
           f"http://{server_config.host}:{server_config.port}{where}", flush=True)
