@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 import urllib.error
 import urllib.request
@@ -10,6 +9,7 @@ import urllib.request
 import pytest
 import torch
 
+from kvpush.bench.stale import post  # noqa: F401 - the tests' JSON POST helper
 from kvpush.launch import ServerProcess, free_port
 
 BS = 8
@@ -25,15 +25,6 @@ def devices(cpu_twin: bool = False) -> list:
 
 SERVE = ["--block-size", str(BS), "--num-blocks", "512", "--torch-threads", "1"]
 MAX_TOKENS = 8
-
-
-def post(url: str, body: dict, timeout: float = 60) -> tuple[int, dict]:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
 
 
 def metric(url: str, name: str) -> float:
