@@ -94,6 +94,17 @@ def _positive(args: argparse.Namespace, *names: str) -> None:
             raise SystemExit(f"kvpush: --{name.replace('_', '-')} must be at least 1")
 
 
+def _positive_float(text: str) -> float:
+    """An argparse type: a number above 0 (argparse turns the error into a CLI message)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number above 0, got {text!r}")
+    return value
+
+
 def add_server_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("server")
     g.add_argument("--host", default=_default(ServerConfig, "host"))
@@ -189,6 +200,8 @@ def add_proxy_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", default=_default(ProxyConfig, "policy"), choices=["round-robin", "least-loaded"])
     p.add_argument("--api-key", default=None, help="clients must send this Bearer token")
     p.add_argument("--instance-api-key", default=None, help="the Bearer token the instances expect")
+    p.add_argument("--probe-interval-s", type=_positive_float, default=_default(ProxyConfig, "probe_interval_s"),
+                   help="how often the proxy asks every instance for /v1/kv_info (health, draining, restarts)")
 
 
 def cmd_proxy(args: argparse.Namespace) -> int:
@@ -202,7 +215,8 @@ def cmd_proxy(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     config = ProxyConfig(prefill_urls=tuple(args.prefill), decode_urls=tuple(args.decode), host=args.host,
                          port=args.port, kv_mode=KVMode(args.kv_mode), first_token=FirstToken(args.first_token),
-                         policy=args.policy, api_key=args.api_key, instance_api_key=args.instance_api_key)
+                         policy=args.policy, api_key=args.api_key, instance_api_key=args.instance_api_key,
+                         probe_interval_s=args.probe_interval_s)
     asyncio.run(serve_proxy(config))
     return 0
 

@@ -72,10 +72,11 @@ class Cluster:
         pool[pool.index(proc)] = new
         return new
 
-    def proxy(self, first_token: str = "recompute", policy: str = "round-robin") -> ServerProcess:
+    def proxy(self, first_token: str = "recompute", policy: str = "round-robin",
+              extra: tuple[str, ...] = ()) -> ServerProcess:
         port = free_port()
         argv = ["proxy", "--port", str(port), "--kv-mode", self.mode, "--first-token", first_token, "--policy", policy,
-                "--prefill", *[p.url for p in self.prefills], "--decode", *[d.url for d in self.decodes]]
+                "--prefill", *[p.url for p in self.prefills], "--decode", *[d.url for d in self.decodes], *extra]
         proc = ServerProcess(argv, log_path=str(self.log_dir / f"proxy-{port}.log"))
         self.procs.append(proc.start())
         proc.wait_healthy(120)

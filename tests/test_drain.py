@@ -91,7 +91,8 @@ def deployment(tiny_model, tmp_path):
         c.decodes.append(c._serve(tiny_model, "decode", "push", tmp_path,
                                   ("--max-num-seqs", "1", "--shutdown-timeout", "1")))
         c.wait()
-        yield c, c.proxy()
+        # D1's drain lasts ~1-2 s: the proxy probes often enough to see it before D1 exits
+        yield c, c.proxy(extra=("--probe-interval-s", "0.1"))
     finally:
         c.stop()
 

@@ -146,3 +146,12 @@ def test_draining_instances_are_not_chosen_after_a_probe():
             await teardown(proxy, runner, [p1, p2, d1, d2])
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "abc", "inf"])
+def test_probe_interval_must_be_a_positive_number(value, capsys):
+    from kvpush.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["proxy", "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2", "--probe-interval-s", value])
+    assert "--probe-interval-s: must be a number above 0" in capsys.readouterr().err
