@@ -105,6 +105,17 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _non_negative_float(text: str) -> float:
+    """An argparse type: a finite number >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text!r}")
+    return value
+
+
 def add_server_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("server")
     g.add_argument("--host", default=_default(ServerConfig, "host"))
@@ -202,6 +213,8 @@ def add_proxy_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--instance-api-key", default=None, help="the Bearer token the instances expect")
     p.add_argument("--probe-interval-s", type=_positive_float, default=_default(ProxyConfig, "probe_interval_s"),
                    help="how often the proxy asks every instance for /v1/kv_info (health, draining, restarts)")
+    p.add_argument("--auto-stall-weight", type=_non_negative_float, default=_default(ProxyConfig, "auto_stall_weight"),
+                   help="--kv-mode auto: weight of the stall a local prefill on D inflicts on D's running requests")
 
 
 def cmd_proxy(args: argparse.Namespace) -> int:
@@ -216,7 +229,7 @@ def cmd_proxy(args: argparse.Namespace) -> int:
     config = ProxyConfig(prefill_urls=tuple(args.prefill), decode_urls=tuple(args.decode), host=args.host,
                          port=args.port, kv_mode=KVMode(args.kv_mode), first_token=FirstToken(args.first_token),
                          policy=args.policy, api_key=args.api_key, instance_api_key=args.instance_api_key,
-                         probe_interval_s=args.probe_interval_s)
+                         probe_interval_s=args.probe_interval_s, auto_stall_weight=args.auto_stall_weight)
     asyncio.run(serve_proxy(config))
     return 0
 

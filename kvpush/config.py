@@ -21,11 +21,18 @@ class KVMode(StrEnum):
     PULL = "pull"
     PUSH = "push"
     PUSH_LAYERWISE = "push-layerwise"
+    # A deployment, not a leg: the proxy picks one of the above (or D's local prefill) per request,
+    # and its instances take legs of every mode.
+    AUTO = "auto"
 
     @property
     def is_push(self) -> bool:
         """Both legs dispatched at once, D registers, P writes (whole request or layer by layer)."""
-        return self is not KVMode.PULL
+        return self in (KVMode.PUSH, KVMode.PUSH_LAYERWISE)
+
+    def accepts(self, leg_mode: KVMode) -> bool:
+        """An instance running this --kv-mode takes a leg of `leg_mode`."""
+        return leg_mode is self or (self is KVMode.AUTO and leg_mode is not KVMode.AUTO)
 
 
 class FirstToken(StrEnum):
@@ -212,6 +219,9 @@ class ProxyConfig:
     instance_api_key: str | None = None  # sent to the prefill and decode instances
     request_timeout_s: float = 600.0
     probe_interval_s: float = 1.0
+    # --kv-mode auto: how much a local prefill's stall of D's running requests counts against it
+    # (1.0: each running request's delay counts as much as this request's TTFT)
+    auto_stall_weight: float = 1.0
 
 
 def env_str(name: str, default: str | None = None) -> str | None:

@@ -61,6 +61,10 @@ def check_blocks(block_ids: list[int], name: str) -> None:
     require(all(0 <= b < 2**32 for b in block_ids), f"{name} must be block ids in [0, 2**32)")
 
 
+def _check_leg_mode(mode: KVMode) -> None:
+    require(mode is not KVMode.AUTO, "a leg's mode is pull, push or push-layerwise (auto is a deployment's)")
+
+
 def _check_port(port: int) -> None:
     require(0 < port < 65536, f"kv port must be in [1, 65535], got {port}")
 
@@ -78,6 +82,7 @@ class PrefillLegParams(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     def __post_init__(self) -> None:
         _check_version(self.protocol_version)
         check_transfer_id(self.transfer_id)
+        _check_leg_mode(self.mode)
         if self.decode_engine_id is not None:
             check_engine_id(self.decode_engine_id, "decode_engine_id")
 
@@ -103,6 +108,7 @@ class PrefillResult(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     def __post_init__(self) -> None:
         _check_version(self.protocol_version)
         check_transfer_id(self.transfer_id)
+        _check_leg_mode(self.mode)
         check_engine_id(self.prefill_engine_id, "prefill_engine_id")
         _check_port(self.prefill_kv_port)
         require(self.num_tokens >= 1, "num_tokens must be at least 1")
@@ -146,6 +152,7 @@ class DecodeLegParams(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     def __post_init__(self) -> None:
         _check_version(self.protocol_version)
         check_transfer_id(self.transfer_id)
+        _check_leg_mode(self.mode)
         check_engine_id(self.prefill_engine_id, "prefill_engine_id")
         _check_port(self.prefill_kv_port)
         if self.block_ids is not None:

@@ -14,7 +14,7 @@ from kvpush_testing import SERVE, Cluster
 
 from kvpush.launch import ServerProcess, free_port
 
-MODES = ("pull", "push", "push-layerwise")
+MODES = ("pull", "push", "push-layerwise", "auto")
 FIRST_TOKENS = ("recompute", "from-prefill")
 MAX_MODEL_LEN = 128
 # short leases, deadlines and quarantine, so that the leak check at the end need not wait long
@@ -94,7 +94,7 @@ def call(url: str, path: str, body: object, timeout: float = 60) -> dict:
 
 
 # ---- normal form -------------------------------------------------------------------------------
-VOLATILE = ("id", "created", "kvpush_trace", "kv_transfer_params")
+VOLATILE = ("id", "created", "kvpush_trace", "kvpush_prompt", "kvpush_route", "kv_transfer_params")
 
 
 def _strip(obj: object) -> object:

@@ -1,4 +1,5 @@
-"""The storm: 220 requests through 2P1D with faults injected, in both modes.
+"""The storm: 220 requests through 2P1D with faults injected, in push, pull and auto (the proxy picks
+push, push-layerwise, pull or D's local prefill per request).
 
 One prefill instance is SIGKILLed and later restarted, 5% of control notifications are dropped on
 every instance, 10% of clients disconnect mid-stream. Every HTTP 200 answer must equal the
@@ -74,7 +75,7 @@ async def storm(c: Cluster, url: str, prompts: list[list[int]]) -> list[tuple[st
     return results
 
 
-@pytest.mark.parametrize("mode", ["push", "pull"])
+@pytest.mark.parametrize("mode", ["push", "pull", "auto"])
 def test_fault_storm(tiny_model, tmp_path, mode):
     from kvpush import LLM, SamplingParams
     from kvpush.tokenizer import Tokenizer
@@ -107,6 +108,11 @@ def test_fault_storm(tiny_model, tmp_path, mode):
               f"{counts['disconnected']} client disconnects, {len(errors)} explicit errors {Counter(e[0] for e in errors)}, "
               f"{faults:.0f} notifications dropped (live instances), 1 prefill killed and restarted, "
               f"0 leaked blocks, 0 hung requests")
+        if mode == "auto":  # every route was taken (the cost model's choices and its exploration)
+            routes = {r: _sample(proxy.url, f'kvpush_proxy_kv_mode_chosen_total{{route="{r}"}}')
+                      for r in ("push", "push-layerwise", "pull", "local")}
+            print(f"storm auto: routes chosen {routes}")
+            assert all(n > 0 for n in routes.values()), routes
         assert counts["ok"] >= NUM_REQUESTS // 2  # the deployment kept serving through the faults
         assert faults > 0
     finally:

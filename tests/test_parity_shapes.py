@@ -1,7 +1,7 @@
 """Every request shape answers the same through the proxy as from a colocated instance.
 
-One colocated instance and 1P1D in pull, push and push-layerwise, each behind two proxies (first
-token recomputed by D, or taken from P): the same requests go to all seven, and the whole answers
+One colocated instance and 1P1D in pull, push, push-layerwise and auto, each behind two proxies (first
+token recomputed by D, or taken from P): the same requests go to all nine, and the whole answers
 are compared (status, choices, text, logprobs, finish reasons, usage, stream framing; ids, timestamps
 and cached_tokens aside). Then a seeded fuzz of random bodies through the proxy: the same status as
 colocated, never a 5xx; afterwards every instance is healthy, holds no block and no live transfer.

@@ -6,6 +6,9 @@ transfer_id, then
           token; D: the request + DecodeLegParams naming P); stream D's answer back.
     pull: send P's leg, wait for its PrefillResult, forward it to D (DecodeLegParams with P's
           block ids); stream D's answer back.
+    auto: per request one of push, push-layerwise, pull, or local (D alone prefills the plain
+          request), chosen by kv_choice.AutoRouter's cost model; with no usable P, local. A client
+          may name the route (header X-KVPush-KV-Mode). The answer says which (kvpush_route).
 A completions request with several prompts is one such dispatch per prompt (proxy_batch.py).
 If a leg fails, the client gets that leg's error (OpenAI error JSON) and the other leg is
 cancelled; a client that disconnects cancels both legs (their instances abort the requests).
@@ -23,115 +26,49 @@ import itertools
 import json
 import logging
 import time
-from dataclasses import dataclass, field
 
 import aiohttp
-import msgspec
 from aiohttp import web
 
 from kvpush import kv_params as kp
-from kvpush.config import FirstToken, KVMode, ProxyConfig
+from kvpush.config import KVMode, ProxyConfig
 from kvpush.server import proxy_batch
 from kvpush.server import responses as R
-from kvpush.server.messages import KVInfo
+from kvpush.server.kv_choice import AutoRouter, Route
+from kvpush.server.proxy_legs import (
+    DecodeUnavailable,
+    Dispatch,
+    Leg,
+    LegError,
+    PrefillFailed,
+    cancel,
+    first_token_for,
+    merge_trace_json,
+    merge_trace_line,
+    parse_body,
+    prefill_body,
+    prefill_trace,
+    retrieve,
+    seconds,
+    wait_prefill,
+)
 from kvpush.server.proxy_metrics import ProxyMetrics
+from kvpush.server.proxy_pool import Instance, InstancePool
 
 log = logging.getLogger("kvpush.proxy")
 ROUTES = ("/v1/completions", "/v1/chat/completions")
-_kv_info_decoder = msgspec.json.Decoder(KVInfo)
-TRACE_WAIT_S = 1.0  # push: how long D's final chunk may wait for P's answer to merge P's stamps
+ROUTE_HEADER = "X-KVPush-KV-Mode"  # a client may name the route of its request (auto proxies)
 NO_INSTANCE_RETRY_AFTER_S = 1  # Retry-After of the proxy's own 503 (no healthy instance of a role)
+__all__ = ["Proxy", "first_token_for", "prefill_body", "serve_proxy"]
 
 
-@dataclass
-class Instance:
-    url: str
-    role: str
-    engine_id: str = ""
-    kv_host: str | None = None
-    kv_port: int | None = None
-    kv_mode: str | None = None
-    healthy: bool = False
-    draining: bool = False  # shutting down: finishes its requests, takes no new ones
-    in_flight: int = 0
-    served: int = 0
-    shed_until: float = 0.0  # monotonic time until which it said it sheds (its 429/503's Retry-After)
 
-    @property
-    def usable(self) -> bool:
-        return self.healthy and not self.draining
-
-    def refused(self, status: int, body: bytes) -> bool:
-        """The instance answered that it is draining (marked at once: it is not chosen again)."""
-        if status == 503 and _error_code(body) == "draining":
-            if not self.draining:
-                log.info("%s is draining: no new requests go there", self.url)
-            self.draining = True
-            return True
-        return False
-
-
-class LegError(Exception):
-    """One leg answered with an error; carries the status, body and Retry-After to give the client,
-    and which instance answered it."""
-
-    def __init__(self, status: int, body: bytes, instance: Instance | None = None,
-                 retry_after: str | None = None) -> None:
-        super().__init__(f"leg failed with {status}")
-        self.status = status
-        self.body = body
-        self.instance = instance
-        self.retry_after = retry_after
-
-    @property
-    def shed(self) -> bool:
-        """The instance refused the request for lack of capacity (or is unavailable): another may not."""
-        return self.status in (429, 503) and self.instance is not None
-
-
-class DecodeUnavailable(Exception):
-    """The decode instance refused the leg because it drains, or could not be connected to: nothing
-    was sent to it, so another decode instance may serve the request."""
-
-    def __init__(self, error: LegError, reason: str) -> None:
-        super().__init__(str(error))
-        self.error = error
-        self.reason = reason
-
-
-class PrefillFailed(Exception):
-    """The prefill leg failed on the instance's side (unreachable, 5xx): worth another instance."""
-
-    def __init__(self, error: LegError) -> None:
-        super().__init__(str(error))
-        self.error = error
-
-
-@dataclass
-class Dispatch:
-    prefill: Instance
-    decode: Instance
-    transfer_id: str
-    first_token: FirstToken
-    trace: dict[str, float] = field(default_factory=dict)
-    p_task: asyncio.Task | None = None  # push: P's leg, possibly still running after D answered
-
-
-@dataclass
-class Leg:
-    """One prompt's dispatch whose D answered 200: its answer is still to be read."""
-
-    dispatch: Dispatch
-    response: aiohttp.ClientResponse
-
-
-class Proxy:
+class Proxy(InstancePool):
     def __init__(self, config: ProxyConfig) -> None:
+        super().__init__(config)
         self.config = config
-        self.prefills = [Instance(u.rstrip("/"), "prefill") for u in config.prefill_urls]
-        self.decodes = [Instance(u.rstrip("/"), "decode") for u in config.decode_urls]
-        self._rr = {"prefill": itertools.count(), "decode": itertools.count()}
         self.metrics = ProxyMetrics()
+        self.auto = AutoRouter(config.auto_stall_weight) if config.kv_mode is KVMode.AUTO else None
         self.session: aiohttp.ClientSession | None = None
         self._prober: asyncio.Task | None = None
 
@@ -149,56 +86,14 @@ class Proxy:
                 await asyncio.sleep(0.5)
         self._prober = asyncio.create_task(self._probe_loop())
 
-    def _ready(self) -> bool:
-        return any(i.usable for i in self.prefills) and any(i.usable for i in self.decodes)
-
     async def close(self) -> None:
         if self._prober is not None:
             self._prober.cancel()
         if self.session is not None:
             await self.session.close()
-
-    async def _probe_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.config.probe_interval_s)
-            await self.probe_all()
-
-    async def probe_all(self) -> None:
-        await asyncio.gather(*(self._probe(i) for i in self.prefills + self.decodes))
-
-    async def _probe(self, inst: Instance) -> None:
-        assert self.session is not None
-        info: KVInfo | None = None
-        try:
-            async with self.session.get(inst.url + "/v1/kv_info", timeout=aiohttp.ClientTimeout(total=2)) as r:
-                if r.status == 200:
-                    info = _kv_info_decoder.decode(await r.read())
-        except (TimeoutError, aiohttp.ClientError, msgspec.DecodeError):
-            info = None
-        if info is None or info.role != inst.role or info.kv_mode != self.config.kv_mode.value:
-            if info is not None and inst.healthy:
-                log.warning("%s is %s/%s, expected %s/%s", inst.url, info.role, info.kv_mode, inst.role,
-                            self.config.kv_mode.value)
-            inst.healthy = False
-            return
-        if inst.engine_id and info.engine_id != inst.engine_id:
-            log.info("%s restarted: engine %s -> %s", inst.url, inst.engine_id, info.engine_id)
-        if info.draining != inst.draining:
-            log.info("%s %s", inst.url, "is draining: no new requests go there" if info.draining else "serves again")
-        inst.healthy, inst.draining = True, info.draining
-        inst.engine_id, inst.kv_host, inst.kv_port, inst.kv_mode = (info.engine_id, info.kv_host, info.kv_port,
-                                                                    info.kv_mode)
-
-    # ---- choosing ------------------------------------------------------------------------
-    def pick(self, pool: list[Instance], role: str, exclude: set[str] | None = None) -> Instance:
-        healthy = [i for i in pool if i.usable and i.url not in (exclude or ())]
-        if not healthy:
-            raise web.HTTPServiceUnavailable(reason=f"no healthy {role} instance")
-        now = time.monotonic()
-        healthy = [i for i in healthy if i.shed_until <= now] or healthy  # those shedding only if all are
-        if self.config.policy == "least-loaded":
-            return min(healthy, key=lambda i: (i.in_flight, i.served))
-        return healthy[next(self._rr[role]) % len(healthy)]
+    def restarted(self, inst: Instance) -> None:
+        if self.auto is not None:
+            self.auto.forget(inst.url)  # its prefix cache is empty
 
     # ---- HTTP ----------------------------------------------------------------------------
     def build_app(self) -> web.Application:
@@ -247,17 +142,35 @@ class Proxy:
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         received = time.time()
-        body = _parse_body(await request.read())
+        body = parse_body(await request.read())
         prompts = proxy_batch.batched_prompts(request.path, body)
         if prompts is not None:
             return await proxy_batch.serve_batch(self, request, body, prompts)
-        leg = await self.open_leg(request.path, body, kp.new_transfer_id(), received)
+        forced = self.forced_route(request)
+        leg = await self.open_leg(request.path, body, kp.new_transfer_id(), received, forced)
         try:
             return await self._relay(request, leg.response, leg.dispatch)
         finally:
             self.end_leg(leg.dispatch)
 
-    async def open_leg(self, path: str, body: dict, transfer_id: str, received: float | None = None) -> Leg:
+    def forced_route(self, request: web.Request) -> Route | None:
+        """The route the client named (header X-KVPush-KV-Mode: push|push-layerwise|pull|local); a
+        fixed-mode proxy takes only its own mode there (400 otherwise)."""
+        name = request.headers.get(ROUTE_HEADER)
+        if name is None:
+            return None
+        try:
+            route = Route(name.strip().lower())
+        except ValueError:
+            raise web.HTTPBadRequest(reason=f"{ROUTE_HEADER}: {name!r} is not one of "
+                                            f"{', '.join(r.value for r in Route)}") from None
+        if self.auto is None and route.value != self.config.kv_mode.value:
+            raise web.HTTPBadRequest(reason=f"{ROUTE_HEADER}: this proxy runs --kv-mode {self.config.kv_mode.value}; "
+                                            f"only --kv-mode auto takes other routes")
+        return route
+
+    async def open_leg(self, path: str, body: dict, transfer_id: str, received: float | None = None,
+                       forced: Route | None = None) -> Leg:
         """Dispatch one prompt's P and D legs; return once D answered 200 (its first token exists).
         A prefill leg that fails before that (P unreachable or answering 5xx) is retried on another
         prefill instance, as transfer `<transfer_id>.<attempt>`; a leg an instance sheds (429 / 503) is
@@ -266,23 +179,26 @@ class Proxy:
         tried: set[str] = set()
         tried_d: set[str] = set()
         for attempt in itertools.count():
-            d = Dispatch(self.pick(self.prefills, "prefill", exclude=tried),
-                         self.pick(self.decodes, "decode", exclude=tried_d),
-                         f"{transfer_id}.{attempt}" if attempt else transfer_id,
-                         first_token_for(body, self.config.first_token), {"proxy_received": received or time.time()})
+            d = self._dispatch(body, f"{transfer_id}.{attempt}" if attempt else transfer_id, tried, tried_d, forced)
+            d.trace["proxy_received"] = received or time.time()
             d.trace["dispatched"] = time.time()
-            d.prefill.in_flight += 1
+            if d.prefill is not None:
+                d.prefill.in_flight += 1
             d.decode.in_flight += 1
             try:
-                if self.config.kv_mode.is_push:
+                if d.prefill is None:
+                    return Leg(d, await self._local(path, body, d))
+                if d.mode.is_push:
                     return Leg(d, await self._push(path, body, d))
                 return Leg(d, await self._pull(path, body, d))
             except PrefillFailed as e:
                 self.end_leg(d)
+                assert d.prefill is not None
                 tried.add(d.prefill.url)
                 self.metrics.retries.inc()
                 log.warning("prefill %s failed (%s); retrying elsewhere", d.prefill.url, e.error)
-                if not any(i.usable and i.url not in tried for i in self.prefills):
+                if not any(i.usable and i.url not in tried for i in self.prefills) and (
+                        self.auto is None or forced is not None):  # auto: D can still prefill it
                     raise e.error from None
             except DecodeUnavailable as e:  # push: P's leg was cancelled with it; dispatch both anew
                 self.end_leg(d)
@@ -299,13 +215,34 @@ class Proxy:
                 raise
         raise AssertionError("unreachable")
 
+    def _dispatch(self, body: dict, transfer_id: str, tried: set[str], tried_d: set[str],
+                  forced: Route | None) -> Dispatch:
+        """Pick D, P and (auto) the route. An auto proxy with no usable P serves from D alone."""
+        decode = self.pick(self.decodes, "decode", exclude=tried_d)
+        first = first_token_for(body, self.config.first_token)
+        if self.auto is None:
+            return Dispatch(self.pick(self.prefills, "prefill", exclude=tried), decode, transfer_id, first,
+                            self.config.kv_mode)
+        usable = forced is not Route.LOCAL and any(i.usable and i.url not in tried for i in self.prefills)
+        if forced is not None and forced.remote and not usable:
+            raise web.HTTPServiceUnavailable(reason="no healthy prefill instance")
+        prefill = self.pick(self.prefills, "prefill", exclude=tried) if usable else None
+        decision = self.auto.decide(body, prefill.url if prefill else None, decode.url, decode.in_flight,
+                                    decode.block_size, forced)
+        log.debug("route %s for %s: %s", decision.route.value, transfer_id, decision.to_json())
+        self.metrics.routes.labels(route=decision.route.value).inc()
+        self.auto.dispatched(decision)
+        if decision.route is Route.LOCAL:
+            return Dispatch(None, decode, transfer_id, first, KVMode.PUSH, decision=decision)
+        return Dispatch(prefill, decode, transfer_id, first, KVMode(decision.route.value), decision=decision)
+
     def _shed_elsewhere(self, e: LegError, tried: set[str]) -> bool:
         """An instance shed the leg: remember it for its Retry-After; True if another instance of its
         role can be tried (healthy, not tried for this request, not shedding)."""
         inst = e.instance
         if not e.shed or inst is None:
             return False
-        inst.shed_until = time.monotonic() + _seconds(e.retry_after)
+        inst.shed_until = time.monotonic() + seconds(e.retry_after)
         tried.add(inst.url)
         self.metrics.shed.labels(role=inst.role, status=str(e.status)).inc()
         pool = self.prefills if inst.role == "prefill" else self.decodes
@@ -317,15 +254,26 @@ class Proxy:
         return True
 
     def end_leg(self, d: Dispatch) -> None:
-        d.prefill.in_flight -= 1
+        if d.prefill is not None:
+            d.prefill.in_flight -= 1
+            d.prefill.served += 1
         d.decode.in_flight -= 1
-        d.prefill.served += 1
         d.decode.served += 1
+        if d.decision is not None and d.decision.route is Route.LOCAL and not d.trace.get("local_prefilled"):
+            self.auto.prefilled(d.decision)  # type: ignore[union-attr]  # failed before its first token
 
     # ---- the two flows -------------------------------------------------------------------
+    async def _local(self, path: str, body: dict, d: Dispatch) -> aiohttp.ClientResponse:
+        """Auto's local route: the request goes to D as it is; D prefills it (no P leg, no transfer)."""
+        resp = await self._open_decode(path, body, None, d)
+        d.trace["local_prefilled"] = time.time()
+        assert self.auto is not None and d.decision is not None
+        self.auto.prefilled(d.decision)
+        return resp
+
     async def _push(self, path: str, body: dict, d: Dispatch) -> aiohttp.ClientResponse:
-        p_params = kp.PrefillLegParams(transfer_id=d.transfer_id, mode=self.config.kv_mode,
-                                       decode_engine_id=d.decode.engine_id)
+        assert d.prefill is not None
+        p_params = kp.PrefillLegParams(transfer_id=d.transfer_id, mode=d.mode, decode_engine_id=d.decode.engine_id)
         d_params = self._decode_params(d, None)
         p_task = asyncio.create_task(self._prefill_leg(path, body, p_params, d))
         d_task = asyncio.create_task(self._open_decode(path, body, d_params, d))
@@ -338,9 +286,9 @@ class Proxy:
                     p_task.result()
             d_resp = d_task.result()
         except BaseException:
-            await _cancel(p_task, d_task)
+            await cancel(p_task, d_task)
             raise
-        p_task.add_done_callback(_retrieve)
+        p_task.add_done_callback(retrieve)
         d.p_task = p_task  # its answer only adds P's stamps to the trace (_relay waits a little for it)
         return d_resp
 
@@ -367,12 +315,20 @@ class Proxy:
         if result is not None:
             return result.to_decode_leg(first)
         p = d.prefill
-        assert p.kv_host is not None and p.kv_port is not None
-        return kp.DecodeLegParams(transfer_id=d.transfer_id, mode=self.config.kv_mode, prefill_engine_id=p.engine_id,
+        assert p is not None and p.kv_host is not None and p.kv_port is not None
+        return kp.DecodeLegParams(transfer_id=d.transfer_id, mode=d.mode, prefill_engine_id=p.engine_id,
                                   prefill_kv_host=p.kv_host, prefill_kv_port=p.kv_port, first_token=first)
 
     async def _prefill_leg(self, path: str, body: dict, params: kp.PrefillLegParams, d: Dispatch) -> kp.PrefillResult:
-        assert self.session is not None
+        try:
+            return await self._send_prefill(path, body, params, d)
+        finally:
+            if d.decision is not None and self.auto is not None:
+                self.auto.prefilled(d.decision)  # answered, failed or cancelled: no longer queued on P
+
+    async def _send_prefill(self, path: str, body: dict, params: kp.PrefillLegParams,
+                            d: Dispatch) -> kp.PrefillResult:
+        assert self.session is not None and d.prefill is not None
         leg = prefill_body(body, kp.params_to_dict(params))
         d.trace["p_leg_sent"] = time.time()
         try:
@@ -392,16 +348,17 @@ class Proxy:
         d.trace["p_response"] = time.time()
         try:
             choice = json.loads(data)["choices"][0]
-            d.trace.update(_prefill_trace(choice.get("kvpush_trace")))
+            d.trace.update(prefill_trace(choice.get("kvpush_trace")))
             kv = choice["kv_transfer_params"]
             return kp.params_from_dict(kv, kp.PrefillResult)
         except (KeyError, IndexError, TypeError, ValueError, kp.ProtocolError) as e:
             raise LegError(502, json.dumps(R.error_body(502, f"prefill answered without KV params: {e}")).encode()) from e
 
-    async def _open_decode(self, path: str, body: dict, params: kp.DecodeLegParams,
+    async def _open_decode(self, path: str, body: dict, params: kp.DecodeLegParams | None,
                            d: Dispatch) -> aiohttp.ClientResponse:
+        """D's leg (params None: a plain request D computes itself); returns once D answered 200."""
         assert self.session is not None
-        leg = dict(body, kv_transfer_params=kp.params_to_dict(params))
+        leg = body if params is None else dict(body, kv_transfer_params=kp.params_to_dict(params))
         d.trace["d_leg_sent"] = time.time()
         try:
             resp = await self.session.post(d.decode.url + path, json=leg)
@@ -421,14 +378,28 @@ class Proxy:
             raise error
         return resp
 
+    def annotate(self, d: Dispatch, choice: dict) -> None:
+        """D's final choice (it carries kvpush_trace): the proxy's and P's stamps merged into its trace;
+        auto: the route taken and why (kvpush_route), and the cost model learns from the answer."""
+        trace = choice.get("kvpush_trace")
+        if not isinstance(trace, dict):
+            return
+        trace.update(d.trace)
+        if d.decision is None or self.auto is None:
+            return
+        choice["kvpush_route"] = d.decision.to_json()
+        ratio = self.auto.finished(d.decision, trace, choice.get("kvpush_prompt"))
+        if ratio is not None:
+            self.metrics.estimate_ratio.labels(route=d.decision.route.value).observe(ratio)
+
     async def _relay(self, request: web.Request, d_resp: aiohttp.ClientResponse, d: Dispatch) -> web.StreamResponse:
         """Copy D's answer to the client; merge the proxy's timestamps into kvpush_trace."""
         complete = False
         try:
             if not d_resp.content_type.startswith("text/event-stream"):
                 data = await d_resp.read()
-                await _wait_prefill(d.p_task)
-                data = _merge_trace_json(data, d.trace)
+                await wait_prefill(d.p_task)
+                data = merge_trace_json(data, lambda c: self.annotate(d, c))
                 complete = True
                 self.metrics.requests.labels(status="200").inc()
                 return web.Response(body=data, status=200, content_type="application/json")
@@ -436,8 +407,8 @@ class Proxy:
             await out.prepare(request)
             async for line in d_resp.content:
                 if b'"kvpush_trace"' in line:
-                    await _wait_prefill(d.p_task)
-                    line = _merge_trace_line(line, d.trace)
+                    await wait_prefill(d.p_task)
+                    line = merge_trace_line(line, lambda c: self.annotate(d, c))
                 if line.startswith(b"data: {"):  # stamped before the write: after it the client may have it
                     d.trace.setdefault("proxy_first_chunk", time.time())
                 await out.write(line)
@@ -450,102 +421,6 @@ class Proxy:
                 d_resp.release()
             else:
                 d_resp.close()  # the client left or the stream broke: D sees the disconnect and aborts
-
-
-def _seconds(retry_after: str | None) -> float:
-    """A Retry-After in seconds (an HTTP date or garbage counts as 1 s)."""
-    try:
-        return max(0.0, float(retry_after)) if retry_after is not None else 1.0
-    except ValueError:
-        return 1.0
-
-
-def prefill_body(body: dict, kv_params: dict) -> dict:
-    """P's leg: the client's request unchanged, so that P validates it as D does (same 4xx). P's connector
-    caps it to one token, and a prefill instance answers with one JSON body whatever `stream` says."""
-    return dict(body, kv_transfer_params=kv_params)
-
-
-def first_token_for(body: dict, configured: FirstToken) -> FirstToken:
-    """`from-prefill` only where P's first token is exactly what D would sample: not when the client
-    asks for logprobs (P's are not transferred) or samples with a seed (P's generator is not D's)."""
-    logprobs = body.get("logprobs")
-    wants_logprobs = logprobs is not None and logprobs is not False
-    temperature = body.get("temperature")
-    seeded = body.get("seed") is not None and (temperature is None or temperature != 0)
-    return FirstToken.RECOMPUTE if wants_logprobs or seeded else configured
-
-
-def _prefill_trace(trace: object) -> dict[str, float]:
-    """P's timestamps under the names the handover breakdown uses."""
-    if not isinstance(trace, dict):
-        return {}
-    names = {"arrived": "p_admitted", "prefill_done": "p_prefill_done", "api_received": "p_api_received",
-             "api_answered": "p_answered"}
-    return {names[k]: float(v) for k, v in trace.items() if k in names and isinstance(v, (int, float))}
-
-
-def _error_code(body: bytes) -> object:
-    """The `code` of an OpenAI-style error body, or None."""
-    try:
-        error = json.loads(body).get("error")
-        return error.get("code") if isinstance(error, dict) else None
-    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
-        return None
-
-
-def _parse_body(raw: bytes) -> dict:
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise web.HTTPBadRequest(reason=f"malformed JSON body: {e}") from e
-    if not isinstance(body, dict):
-        raise web.HTTPBadRequest(reason="the request body must be a JSON object")
-    if "kv_transfer_params" in body:
-        raise web.HTTPBadRequest(reason="kv_transfer_params is set by the proxy, not by clients")
-    return body
-
-
-def _merge_trace_json(data: bytes, trace: dict[str, float]) -> bytes:
-    try:
-        obj = json.loads(data)
-        for choice in obj.get("choices", []):
-            if isinstance(choice.get("kvpush_trace"), dict):
-                choice["kvpush_trace"].update(trace)
-        return json.dumps(obj).encode()
-    except (json.JSONDecodeError, AttributeError):
-        return data
-
-
-def _merge_trace_line(line: bytes, trace: dict[str, float]) -> bytes:
-    if not line.startswith(b"data: "):
-        return line
-    return b"data: " + _merge_trace_json(line[6:].strip(), trace) + b"\n"
-
-
-async def _wait_prefill(p_task: asyncio.Task | None) -> None:
-    """Push: D may end before P's answer (with P's stamps) arrived; its final chunk, which carries
-    the trace, waits for it at most TRACE_WAIT_S (the first token never waits)."""
-    if p_task is not None and not p_task.done():
-        await asyncio.wait({p_task}, timeout=TRACE_WAIT_S)
-
-
-def _retrieve(task: asyncio.Task) -> None:
-    """A P leg that ends after D already answered: its outcome no longer matters to the client."""
-    if not task.cancelled() and task.exception() is not None:
-        log.info("prefill leg ended after decode answered: %s", task.exception())
-
-
-async def _cancel(*tasks: asyncio.Task) -> None:
-    for t in tasks:
-        t.cancel()
-    for t in tasks:
-        try:
-            resp = await t
-            if isinstance(resp, aiohttp.ClientResponse):
-                resp.close()
-        except (TimeoutError, asyncio.CancelledError, LegError, PrefillFailed, DecodeUnavailable, aiohttp.ClientError):
-            pass  # the failure that made us cancel is reported by the caller
 
 
 async def serve_proxy(config: ProxyConfig) -> None:

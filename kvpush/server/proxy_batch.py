@@ -44,16 +44,17 @@ def batched_prompts(path: str, body: dict) -> list | None:
 
 async def serve_batch(proxy: Proxy, request: web.Request, body: dict, prompts: list) -> web.StreamResponse:
     base = kp.new_transfer_id()
-    tasks = [asyncio.create_task(proxy.open_leg(request.path, dict(body, prompt=p), f"{base}-{i}"))
+    tasks = [asyncio.create_task(proxy.open_leg(request.path, dict(body, prompt=p), f"{base}-{i}",
+                                                         forced=proxy.forced_route(request)))
              for i, p in enumerate(prompts)]
     legs = await _open_all(proxy, tasks)
     complete = False
     try:
         out: web.StreamResponse
         if legs[0].response.content_type.startswith("text/event-stream"):
-            out, complete = await _stream(request, legs, f"cmpl-{base}")
+            out, complete = await _stream(proxy, request, legs, f"cmpl-{base}")
         else:
-            out, complete = R.json_response(await _merge_json(legs, f"cmpl-{base}")), True
+            out, complete = R.json_response(await _merge_json(proxy, legs, f"cmpl-{base}")), True
         proxy.metrics.requests.labels(status="200").inc()
         return out
     finally:
@@ -90,19 +91,18 @@ def _finish(proxy: Proxy, leg: Leg, complete: bool) -> None:
     proxy.end_leg(leg.dispatch)
 
 
-def _with_index(obj: dict, index: int, leg: Leg, rid: str) -> dict:
+def _with_index(proxy: Proxy, obj: dict, index: int, leg: Leg, rid: str) -> dict:
     """One leg's answer or chunk as choice `index` of the batch; the proxy's timestamps in its trace."""
     obj["id"] = rid
     for choice in obj.get("choices") or []:
         choice["index"] = index
-        if isinstance(choice.get("kvpush_trace"), dict):
-            choice["kvpush_trace"].update(leg.dispatch.trace)
+        proxy.annotate(leg.dispatch, choice)
     return obj
 
 
-async def _merge_json(legs: list[Leg], rid: str) -> dict:
+async def _merge_json(proxy: Proxy, legs: list[Leg], rid: str) -> dict:
     try:
-        outs = [_with_index(json.loads(await leg.response.read()), i, leg, rid) for i, leg in enumerate(legs)]
+        outs = [_with_index(proxy, json.loads(await leg.response.read()), i, leg, rid) for i, leg in enumerate(legs)]
     except (json.JSONDecodeError, UnicodeDecodeError, AttributeError, TypeError) as e:
         raise web.HTTPBadGateway(reason=f"decode instance answered with malformed JSON: {e}") from e
     merged = outs[0]
@@ -129,7 +129,7 @@ def sum_usage(usages: list) -> dict | None:
 
 
 # ---- streaming -----------------------------------------------------------------------------
-async def _stream(request: web.Request, legs: list[Leg], rid: str) -> tuple[web.StreamResponse, bool]:
+async def _stream(proxy: Proxy, request: web.Request, legs: list[Leg], rid: str) -> tuple[web.StreamResponse, bool]:
     """Relay the legs' events as one stream; also says whether every leg's stream ran to its [DONE]."""
     out = web.StreamResponse(headers=SSE_HEADERS)
     await out.prepare(request)
@@ -147,7 +147,7 @@ async def _stream(request: web.Request, legs: list[Leg], rid: str) -> tuple[web.
             if event.get("choices") == [] and event.get("usage") is not None:
                 usage_chunks.append(event)
                 continue
-            await out.write(R.sse(_with_index(event, i, legs[i], rid)))
+            await out.write(R.sse(_with_index(proxy, event, i, legs[i], rid)))
     if usage_chunks:
         last = dict(usage_chunks[0], id=rid, usage=sum_usage([c["usage"] for c in usage_chunks]))
         await out.write(R.sse(last))

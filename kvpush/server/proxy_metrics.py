@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 
 class ProxyMetrics:
@@ -24,6 +24,11 @@ class ProxyMetrics:
                                 ["role", "reason"], registry=r)
         self.in_flight = Gauge("kvpush_proxy_instance_in_flight", "Requests in flight per instance",
                                ["role", "url"], registry=r)
+        self.routes = Counter("kvpush_proxy_kv_mode_chosen", "Requests per route chosen (--kv-mode auto): push, "
+                              "push-layerwise, pull, local", ["route"], registry=r)
+        self.estimate_ratio = Histogram("kvpush_proxy_ttft_estimate_ratio", "--kv-mode auto: measured TTFT / the "
+                                        "cost model's estimate, per route", ["route"], registry=r,
+                                        buckets=(0.25, 0.5, 0.67, 0.8, 0.9, 1.1, 1.25, 1.5, 2.0, 4.0))
         self.served = Gauge("kvpush_proxy_instance_served", "Requests dispatched per instance",
                             ["role", "url"], registry=r)
 

@@ -54,6 +54,8 @@ def extras(state: GenState) -> dict:
         out["kv_transfer_params"] = state.kv_transfer_params
     if state.trace or state.stamps:
         out["kvpush_trace"] = {**(state.trace or {}), **state.stamps}
+        # what --kv-mode auto learns from: the prompt's length and how much of it was cached here
+        out["kvpush_prompt"] = {"tokens": len(state.prompt_token_ids), "cached_tokens": state.num_cached_tokens}
     return out
 
 

@@ -95,6 +95,8 @@ def translate_request(kv: dict, role: str, mode: str | None, num_prompts: int,
     if num_prompts != 1:
         raise InvalidRequestError("a disaggregated leg carries exactly one prompt", param="prompt")
     kv_mode = KVMode(mode)
+    if kv_mode is KVMode.AUTO:  # an auto instance takes either: the router's parameters say which
+        kv_mode = _auto_leg_mode(kv, decode_leg)
     if decode_leg:
         if role != "prefill":
             raise _bad("do_remote_decode", "true means a prefill leg, but this is a decode instance")
@@ -107,6 +109,14 @@ def translate_request(kv: dict, role: str, mode: str | None, num_prompts: int,
     if role != "decode":
         raise _bad("do_remote_prefill", "true means a decode leg, but this is a prefill instance")
     return _decode_leg(kv, kv_mode)
+
+
+def _auto_leg_mode(kv: dict, decode_leg: bool) -> KVMode:
+    """The mode of a vLLM-shaped leg sent to an auto instance: Mooncake-style routers name the transfer
+    on P's leg and send D no block ids (push); NIXL-style ones do neither (pull)."""
+    if decode_leg:
+        return KVMode.PUSH if kv.get("transfer_id") is not None else KVMode.PULL
+    return KVMode.PULL if kv.get("remote_block_ids") else KVMode.PUSH
 
 
 def _checked(field: str | None, make):

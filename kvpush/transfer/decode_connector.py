@@ -121,7 +121,7 @@ class DecodeConnector(RuntimeConnector):
         return Admission.REJECT
 
     def refuse(self, params: RequestLegParams) -> None:
-        if isinstance(params, DecodeLegParams) and params.mode is self.runtime.mode:
+        if isinstance(params, DecodeLegParams) and self.runtime.mode.accepts(params.mode):
             peer = PeerAddr(params.prefill_engine_id, params.prefill_kv_host, params.prefill_kv_port)
             self.runtime.thread.submit(SendNotif(peer, pr.Abort(params.transfer_id)))
 

@@ -49,13 +49,13 @@ class PrefillConnector(RuntimeConnector):
     def before_forward(self, scheduled: list[tuple[Request, int]]) -> None:
         """Layer-wise push: after each layer, hand the writer the blocks this chunk completes (the last
         chunk also its partial last block). What was handed over is never handed again."""
-        if self.runtime.mode is not KVMode.PUSH_LAYERWISE:
+        if self.runtime.mode not in (KVMode.PUSH_LAYERWISE, KVMode.AUTO):
             return
         bs = self.hooks.block_size
         items = []
         for request, n in scheduled:
             st = request.kv_state
-            if not isinstance(st, PrefillState):
+            if not isinstance(st, PrefillState) or st.params.mode is not KVMode.PUSH_LAYERWISE:
                 continue
             end = request.num_computed_tokens + n
             last = -(-end // bs) if end >= request.num_prompt_tokens else end // bs

@@ -30,12 +30,16 @@ CANCELLED_TTL_S = 300.0
 
 
 class PrefillSide:
-    def __init__(self, posted: Posted, peers: Peers, layerwise: bool) -> None:
+    def __init__(self, posted: Posted, peers: Peers, layerwise: bool | None) -> None:
+        """layerwise: every transfer is written layer by layer (True), none is (False), or those whose
+        leg says so (None, --kv-mode auto: the engine's first LayersDone for a transfer tells)."""
         self.posted = posted
         self.ledger = posted.ledger
         self.peers = peers
         geometry = posted.agent.geometry
-        self.layerwise = LayerwiseWriter(posted.agent, geometry.num_layers) if layerwise and geometry else None
+        self.layerwise = (LayerwiseWriter(posted.agent, geometry.num_layers)
+                          if layerwise is not False and geometry else None)
+        self.per_transfer = layerwise is None
         self.first_tokens: dict[str, int | None] = {}
         self.cancelled: dict[str, tuple[str, float]] = {}  # id -> (reason, when): cancelled before any record
         self.reg_times: dict[str, float] = {}  # when each PushReg arrived (for the breakdown)
@@ -57,8 +61,13 @@ class PrefillSide:
     def _layers_done(self, cmd: LayersDone) -> None:
         assert self.layerwise is not None
         for tid, indices, block_ids in cmd.items:
+            known = tid in self.layerwise.transfers
             self.layerwise.layers_done(tid, cmd.layer, indices, block_ids)
-            self.layerwise.post_ready(tid)
+            rec = self.ledger.get(tid)
+            if not known and self.per_transfer and rec is not None:
+                self._update(rec)  # D registered before P knew this transfer goes layer by layer
+            else:
+                self.layerwise.post_ready(tid)
 
     def _cancel(self, cmd: Cancel) -> None:
         rec = self.ledger.get(cmd.transfer_id)
@@ -93,7 +102,7 @@ class PrefillSide:
     def _update(self, rec: TransferRecord) -> None:
         """The record changed: post what can be posted, or free what is no longer needed."""
         try:
-            if self.layerwise is not None and not rec.is_terminal:
+            if self._is_layerwise(rec.transfer_id) and not rec.is_terminal:
                 self._layerwise_update(rec)
             elif rec.state is S.MATCHED:
                 self._post_write(rec)
@@ -101,6 +110,11 @@ class PrefillSide:
                 self._free(rec)
         except (TransferError, ValueError) as e:
             self.fail(rec, str(e))
+
+    def _is_layerwise(self, tid: str) -> bool:
+        if self.layerwise is None:
+            return False
+        return not self.per_transfer or tid in self.layerwise.transfers
 
     def _posting(self, tid: str) -> bool:
         """Some WRITE of ours for this transfer is still in flight."""

@@ -71,7 +71,7 @@ class TransferRuntime:
             compat_hash=compat_hash(*fields), compat_summary=compat_summary(*fields),
             doorbell=f"{self._advertised_host()}:{self.doorbell.port}")
         self.thread = TransferThread(role, self.agent, self.info, config.kv_secret, self._emit, layout.block_size,
-                                     faults=config.faults, layerwise=config.kv_mode is KVMode.PUSH_LAYERWISE,
+                                     faults=config.faults, layerwise=_layerwise(config.kv_mode),
                                      quarantine_s=config.kv_quarantine_s, doorbell=self.doorbell)
 
     @property
@@ -121,6 +121,11 @@ class TransferRuntime:
         self.thread.join(timeout=10)
 
 
+def _layerwise(mode: KVMode) -> bool | None:
+    """P's writer: every transfer layer by layer (True), none (False), or as each leg says (None: auto)."""
+    return None if mode is KVMode.AUTO else mode is KVMode.PUSH_LAYERWISE
+
+
 _LegT = TypeVar("_LegT", PrefillLegParams, DecodeLegParams)
 
 
@@ -142,7 +147,7 @@ class RuntimeConnector(KVConnector):
         if not isinstance(params, cls):
             raise InvalidRequestError(f"a {role} instance takes {cls.__name__}, got {type(params).__name__}",
                                       param="kv_transfer_params")
-        if params.mode is not self.runtime.mode:
+        if not self.runtime.mode.accepts(params.mode):
             raise InvalidRequestError(f"kv_transfer_params mode {params.mode.value!r} but this instance runs "
                                       f"--kv-mode {self.runtime.mode.value}", param="kv_transfer_params")
         return params

@@ -124,7 +124,7 @@ class Pacer:
 class TransferThread(threading.Thread):
     def __init__(self, role: Role, agent: KVAgent, info: HandshakeInfo, secret: str | None,
                  emit: Callable[[Event], None], block_size: int, *, handshake_timeout_s: float = 5.0,
-                 faults: Faults | None = None, layerwise: bool = False, quarantine_s: float | None = None,
+                 faults: Faults | None = None, layerwise: bool | None = False, quarantine_s: float | None = None,
                  doorbell: Doorbell | None = None) -> None:
         super().__init__(name=f"kvpush-transfer-{role.value}", daemon=True)
         self.agent = agent

@@ -1,0 +1,328 @@
+"""`--kv-mode auto`: per request, the proxy picks how the prompt's KV reaches the decode instance.
+
+Routes: push, push-layerwise, pull (P prefills, the KV moves to D), local (D prefills the prompt
+itself; no P leg). The proxy picks P and D first (its --policy), then the route for that pair with
+the lowest cost. Nothing here does I/O: the proxy feeds it what it sees and asks it to choose.
+
+Signals (all free for the proxy; no extra round trip):
+    tokens      the prompt's length: exact for token-id prompts; for text, characters times a
+                tokens-per-character ratio learned from the instances' answers (prior 0.25)
+    d_prefix    tokens of this prompt D probably holds in its prefix cache: a PrefixTracker per
+                instance remembers the prompts it was sent (block-sized chunks of token ids, or
+                CHARS_PER_UNIT-character chunks of text or chat messages), LRU-bounded
+    p_prefix    the same for P (its prefix cache spares it those tokens)
+    p_queue     prompt tokens P still has to prefill for legs dispatched before this one
+    d_queue     prompt tokens D still has to prefill for local requests dispatched before this one
+    d_running   requests in flight on D: a local prefill stalls each of them once
+Learned lines (Line: decayed least squares y = a + b x), from every finished request's trace:
+    prefill             P's api_received -> prefill done        vs tokens P computed (+ its queue)
+    local               D's api_received -> first token         vs tokens D computed (+ its queue)
+    rest[route, P, D]   TTFT - P's part, per remote route and (P, D) pair (per route until the pair
+                        has PAIR_MIN_SAMPLES samples)          vs tokens moved (prompt - D's prefix)
+    (TTFT = proxy received -> D's leg sent on the proxy's clock + D's api_received -> first token on
+    D's: no two clocks are subtracted from each other, so it holds across hosts.)
+Estimates and costs (seconds):
+    remote r:  prefill(p_queue + tokens - p_prefix) + rest_r(tokens - d_prefix)
+    local:     local(d_queue + tokens - d_prefix); its cost adds the stall it inflicts on D's running
+               requests: local(tokens - d_prefix) x d_running x stall_weight
+Every EXPLORE_EVERY-th decision takes the route with the fewest samples instead (so a route that
+looks worse at first is still measured), unless the client named a route.
+Not used: descriptor count (pull's READ cost grows with fragmented KV; on one host it stayed small).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+CHARS_PER_UNIT = 64  # prefix tracking granularity of text prompts
+TRACKER_UNITS = 65536  # prefix chunks remembered per instance
+PAIR_MIN_SAMPLES = 8
+EXPLORE_EVERY = 20
+PRIOR_TOKENS_PER_CHAR = 0.25
+
+
+class Route(StrEnum):
+    PUSH = "push"
+    PUSH_LAYERWISE = "push-layerwise"
+    PULL = "pull"
+    LOCAL = "local"
+
+    @property
+    def remote(self) -> bool:
+        return self is not Route.LOCAL
+
+
+class Line:
+    """y = a + b x by least squares over samples whose weight halves every `half_life` samples;
+    before `min_samples` it answers its prior (a0, b0). The slope is kept >= 0."""
+
+    def __init__(self, a0: float, b0: float, half_life: float = 50.0, min_samples: int = 4) -> None:
+        self.a0, self.b0, self.min_samples = a0, b0, min_samples
+        self.decay = 0.5 ** (1.0 / half_life)
+        self.n = 0
+        self.w = self.sx = self.sy = self.sxx = self.sxy = 0.0
+
+    def add(self, x: float, y: float) -> None:
+        d = self.decay
+        self.w, self.sx, self.sy = self.w * d + 1, self.sx * d + x, self.sy * d + y
+        self.sxx, self.sxy = self.sxx * d + x * x, self.sxy * d + x * y
+        self.n += 1
+
+    def coefficients(self) -> tuple[float, float]:
+        if self.n < self.min_samples:
+            return self.a0, self.b0
+        mx, my = self.sx / self.w, self.sy / self.w
+        var = self.sxx / self.w - mx * mx
+        b = max((self.sxy / self.w - mx * my) / var, 0.0) if var > 1e-9 * max(mx * mx, 1.0) else self.b0
+        return max(my - b * mx, 0.0), b
+
+    def __call__(self, x: float) -> float:
+        a, b = self.coefficients()
+        return a + b * max(x, 0.0)
+
+
+@dataclass(frozen=True)
+class PromptKey:
+    """A prompt as prefix chunks: `units` chained hashes (one per chunk), `unit_tokens` tokens per
+    chunk (exact for token ids; None for text: chars_per_unit characters each)."""
+
+    hashes: tuple[int, ...]
+    unit_tokens: int | None
+    chars: int
+    exact_tokens: int | None
+
+    @classmethod
+    def of(cls, body: dict, block_size: int) -> PromptKey:
+        prompt = body.get("prompt") if "messages" not in body else None
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            units = [repr(prompt[i : i + block_size]) for i in range(0, len(prompt) - block_size + 1, block_size)]
+            return cls(_chain(units), block_size, 0, len(prompt))
+        text = prompt if isinstance(prompt, str) else _messages_text(body.get("messages"))
+        units = [text[i : i + CHARS_PER_UNIT] for i in range(0, len(text) - CHARS_PER_UNIT + 1, CHARS_PER_UNIT)]
+        return cls(_chain(units), None, len(text), None)
+
+
+def _chain(units: list[str]) -> tuple[int, ...]:
+    """Chained hashes: the i-th names the whole prefix up to chunk i (this process only)."""
+    out, h = [], 0
+    for u in units:
+        h = hash((h, u))
+        out.append(h)
+    return tuple(out)
+
+
+def _messages_text(messages: object) -> str:
+    """Chat messages as one string whose prefixes are shared by the turns of one conversation."""
+    if not isinstance(messages, list):
+        return ""
+    parts = []
+    for m in messages:
+        if isinstance(m, dict):
+            content = m.get("content")
+            parts.append(f"<{m.get('role')}>{content if isinstance(content, str) else repr(content)}")
+    return "".join(parts)
+
+
+class PrefixTracker:
+    """The prompt prefixes an instance was sent, as chained chunk hashes, least recently used out."""
+
+    def __init__(self, capacity: int = TRACKER_UNITS) -> None:
+        self.capacity = capacity
+        self.units: OrderedDict[int, None] = OrderedDict()
+
+    def matched(self, key: PromptKey) -> int:
+        """How many leading chunks of the prompt the instance was sent before."""
+        n = 0
+        for h in key.hashes:
+            if h not in self.units:
+                break
+            n += 1
+        return n
+
+    def record(self, key: PromptKey) -> None:
+        for h in key.hashes:
+            self.units[h] = None
+            self.units.move_to_end(h)
+        while len(self.units) > self.capacity:
+            self.units.popitem(last=False)
+
+
+@dataclass
+class Decision:
+    """One request's choice and what it was based on (kept until its answer teaches the model)."""
+
+    route: Route
+    tokens: float
+    p_prefix: float
+    d_prefix: float
+    p_queue: float
+    d_queue: float
+    d_running: int
+    pair: tuple[str, str]
+    estimates_s: dict[str, float] = field(default_factory=dict)
+    forced: bool = False
+    key: PromptKey | None = None
+
+    def to_json(self) -> dict:
+        """What the request's answer says about it (`kvpush_route`)."""
+        return {"route": self.route.value, "forced": self.forced, "tokens": round(self.tokens),
+                "d_prefix_tokens": round(self.d_prefix), "p_prefix_tokens": round(self.p_prefix),
+                "estimates_ms": {r: round(s * 1e3, 2) for r, s in self.estimates_s.items()}}
+
+
+@dataclass
+class Outcome:
+    """What a finished request's answer says (None: not stamped)."""
+
+    ttft_s: float | None
+    p_time_s: float | None
+    d_time_s: float | None  # D's api_received -> first token
+    prompt_tokens: int | None
+    d_cached_tokens: int | None
+
+
+class CostModel:
+    def __init__(self, routes: tuple[Route, ...] = tuple(Route), stall_weight: float = 1.0) -> None:
+        self.routes = routes
+        self.stall_weight = stall_weight
+        self.tokens_per_char = PRIOR_TOKENS_PER_CHAR
+        self.prefill = Line(0.005, 0.0004)
+        self.local = Line(0.005, 0.0004)
+        # Priors: push first (its handover is the shortest measured), layer-wise, then pull.
+        self.rest: dict[tuple[Route, tuple[str, str] | None], Line] = {
+            (Route.PUSH, None): Line(0.004, 1e-5), (Route.PUSH_LAYERWISE, None): Line(0.005, 1e-5),
+            (Route.PULL, None): Line(0.008, 1e-5)}
+        self.decisions = 0
+        self.samples: dict[Route, int] = {r: 0 for r in Route}
+
+    # ---- estimating ----------------------------------------------------------------------
+    def tokens(self, key: PromptKey) -> float:
+        return float(key.exact_tokens) if key.exact_tokens is not None else key.chars * self.tokens_per_char
+
+    def prefix_tokens(self, key: PromptKey, units: int) -> float:
+        if key.unit_tokens is not None:
+            return float(units * key.unit_tokens)
+        return units * CHARS_PER_UNIT * self.tokens_per_char
+
+    def rest_line(self, route: Route, pair: tuple[str, str]) -> Line:
+        line = self.rest.get((route, pair))
+        return line if line is not None and line.n >= PAIR_MIN_SAMPLES else self.rest[(route, None)]
+
+    def local_line(self) -> Line:
+        return self.local if self.local.n >= self.local.min_samples else self.prefill
+
+    def estimate(self, route: Route, d: Decision) -> float:
+        if route is Route.LOCAL:
+            return self.local_line()(d.d_queue + d.tokens - d.d_prefix)
+        return self.prefill(d.p_queue + d.tokens - d.p_prefix) + self.rest_line(route, d.pair)(d.tokens - d.d_prefix)
+
+    def cost(self, route: Route, d: Decision) -> float:
+        est = d.estimates_s[route.value]
+        if route is Route.LOCAL:
+            est += self.local_line()(d.tokens - d.d_prefix) * d.d_running * self.stall_weight
+        return est
+
+    def choose(self, d: Decision, allowed: tuple[Route, ...] | None = None) -> Decision:
+        """Fill in the estimates of every allowed route and pick the cheapest (or explore)."""
+        allowed = allowed or self.routes
+        d.estimates_s = {r.value: self.estimate(r, d) for r in allowed}
+        self.decisions += 1
+        if len(allowed) > 1 and self.decisions % EXPLORE_EVERY == 0:
+            d.route = min(allowed, key=lambda r: (self.samples[r], self.cost(r, d)))
+        else:
+            d.route = min(allowed, key=lambda r: self.cost(r, d))
+        return d
+
+    # ---- learning ------------------------------------------------------------------------
+    def observe(self, d: Decision, out: Outcome) -> float | None:
+        """Learn from one finished request; returns measured / estimated TTFT (None if unmeasured)."""
+        if out.prompt_tokens is not None and d.key is not None and d.key.exact_tokens is None and d.key.chars:
+            ratio = out.prompt_tokens / d.key.chars
+            self.tokens_per_char += 0.1 * (ratio - self.tokens_per_char)
+        tokens = float(out.prompt_tokens) if out.prompt_tokens is not None else d.tokens
+        moved = tokens - (out.d_cached_tokens if out.d_cached_tokens is not None else d.d_prefix)
+        if out.ttft_s is None:
+            return None
+        self.samples[d.route] += 1
+        if d.route is Route.LOCAL:
+            if out.d_time_s is not None:
+                self.local.add(d.d_queue + moved, out.d_time_s)
+        elif out.p_time_s is not None:
+            self.prefill.add(d.p_queue + tokens - d.p_prefix, out.p_time_s)
+            rest = max(out.ttft_s - out.p_time_s, 0.0)
+            self.rest[(d.route, None)].add(moved, rest)
+            self.rest.setdefault((d.route, d.pair), Line(0.0, 0.0)).add(moved, rest)
+        est = d.estimates_s.get(d.route.value)
+        return out.ttft_s / est if est and math.isfinite(est) and est > 0 else None
+
+
+def outcome(trace: dict | None, prompt: dict | None) -> Outcome:
+    """A finished request's Outcome from its merged kvpush_trace (the proxy's, P's p_-prefixed and D's
+    stamps) and D's kvpush_prompt ({"tokens", "cached_tokens"})."""
+    t = trace if isinstance(trace, dict) else {}
+    p = prompt if isinstance(prompt, dict) else {}
+
+    def span(a: str, b: str) -> float | None:
+        x, y = t.get(a), t.get(b)
+        ok = isinstance(x, (int, float)) and isinstance(y, (int, float)) and y >= x
+        return float(y - x) if ok else None  # type: ignore[operator]
+
+    proxy_part, d_part = span("proxy_received", "d_leg_sent"), span("api_received", "first_token")
+    ttft = proxy_part + d_part if proxy_part is not None and d_part is not None else None
+    tokens, cached = p.get("tokens"), p.get("cached_tokens")
+    return Outcome(ttft, span("p_api_received", "p_prefill_done"), d_part,
+                   tokens if isinstance(tokens, int) else None, cached if isinstance(cached, int) else None)
+
+
+class AutoRouter:
+    """The proxy's side of --kv-mode auto: decides, keeps the per-instance prefix trackers and queued
+    prefill tokens, and learns from answers. Instances are named by URL."""
+
+    def __init__(self, stall_weight: float = 1.0) -> None:
+        self.model = CostModel(stall_weight=stall_weight)
+        self.trackers: dict[str, PrefixTracker] = {}
+        self.queued: dict[str, float] = {}  # url -> prompt tokens still to prefill there
+
+    def tracker(self, url: str) -> PrefixTracker:
+        return self.trackers.setdefault(url, PrefixTracker())
+
+    def forget(self, url: str) -> None:
+        """The instance restarted: its prefix cache is empty."""
+        self.trackers.pop(url, None)
+
+    def decide(self, body: dict, p_url: str | None, d_url: str, d_running: int, block_size: int,
+               forced: Route | None = None) -> Decision:
+        """The route for this request on this (P, D) pair; no P (none usable): local."""
+        key = PromptKey.of(body, block_size)
+        m = self.model
+        p_prefix = m.prefix_tokens(key, self.tracker(p_url).matched(key)) if p_url else 0.0
+        d = Decision(Route.LOCAL, m.tokens(key), p_prefix, m.prefix_tokens(key, self.tracker(d_url).matched(key)),
+                     self.queued.get(p_url or "", 0.0), self.queued.get(d_url, 0.0), d_running,
+                     (p_url or "", d_url), key=key)
+        if forced is not None:
+            d.forced = True
+            return m.choose(d, (forced,))
+        return m.choose(d, m.routes if p_url else (Route.LOCAL,))
+
+    def dispatched(self, d: Decision) -> None:
+        """The legs are on their way: count the prefill they queue, remember what each instance holds."""
+        p_url, d_url = d.pair
+        url = p_url if d.route.remote else d_url
+        self.queued[url] = self.queued.get(url, 0.0) + d.tokens
+        if d.key is not None:
+            self.tracker(d_url).record(d.key)
+            if d.route.remote:
+                self.tracker(p_url).record(d.key)
+
+    def prefilled(self, d: Decision) -> None:
+        """P answered (remote) or D's first token exists (local), or the leg failed: not queued."""
+        url = d.pair[0] if d.route.remote else d.pair[1]
+        left = self.queued.get(url, 0.0) - d.tokens
+        self.queued[url] = left if left > 1e-6 else 0.0
+
+    def finished(self, d: Decision, trace: dict | None, prompt: dict | None) -> float | None:
+        """Learn from the answer; measured / estimated TTFT, or None."""
+        return self.model.observe(d, outcome(trace, prompt))

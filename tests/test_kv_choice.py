@@ -1,0 +1,183 @@
+"""--kv-mode auto's cost model as plain Python: the learned lines, prefix tracking of token-id, text
+and chat prompts, the choice per route and what it learns from an answer's trace."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvpush.server.kv_choice import (
+    EXPLORE_EVERY,
+    PAIR_MIN_SAMPLES,
+    AutoRouter,
+    CostModel,
+    Decision,
+    Line,
+    Outcome,
+    PrefixTracker,
+    PromptKey,
+    Route,
+    outcome,
+)
+
+BS = 8
+PAIR = ("http://p", "http://d")
+
+
+def test_line_fits_a_straight_line_and_answers_its_prior_before_enough_samples():
+    line = Line(0.5, 0.1, min_samples=4)
+    assert line(10) == pytest.approx(1.5)
+    for x in (0, 10, 20, 30, 40):
+        line.add(x, 0.002 + 0.001 * x)
+    a, b = line.coefficients()
+    assert a == pytest.approx(0.002) and b == pytest.approx(0.001)
+    assert line(-5) == pytest.approx(0.002)  # no negative work
+
+
+def test_line_forgets_old_samples():
+    line = Line(0.0, 0.0, half_life=5)
+    for _ in range(50):
+        line.add(100, 1.0)
+    for _ in range(50):
+        line.add(100, 3.0)
+    assert line(100) == pytest.approx(3.0, rel=0.01)
+
+
+def test_line_slope_never_negative_and_constant_x_keeps_prior_slope():
+    line = Line(0.0, 0.25)
+    for i in range(10):
+        line.add(10, 5.0 + (i % 2))
+    assert line.coefficients()[1] == 0.25
+    falling = Line(0.0, 0.0)
+    for x in range(10):
+        falling.add(x, 10 - x)
+    assert falling.coefficients()[1] == 0.0
+
+
+def ids(n: int, seed: int = 0) -> list[int]:
+    return [(seed * 7919 + i * 31) % 1000 for i in range(n)]
+
+
+def test_token_id_prompts_match_by_whole_blocks():
+    t = PrefixTracker()
+    t.record(PromptKey.of({"prompt": ids(5 * BS)}, BS))
+    assert t.matched(PromptKey.of({"prompt": ids(5 * BS) + [1, 2, 3]}, BS)) == 5
+    assert t.matched(PromptKey.of({"prompt": ids(3 * BS + 4)}, BS)) == 3
+    other = ids(5 * BS)
+    other[BS + 1] += 1  # differs in block 1: only block 0 is shared
+    assert t.matched(PromptKey.of({"prompt": other}, BS)) == 1
+    assert t.matched(PromptKey.of({"prompt": ids(5 * BS, seed=1)}, BS)) == 0
+    key = PromptKey.of({"prompt": ids(5 * BS + 3)}, BS)
+    assert key.exact_tokens == 5 * BS + 3 and key.unit_tokens == BS
+
+
+def test_chat_turns_share_the_conversation_prefix():
+    t = PrefixTracker()
+    turn1 = [{"role": "system", "content": "s" * 300}, {"role": "user", "content": "first question " * 10}]
+    t.record(PromptKey.of({"messages": turn1}, BS))
+    turn2 = turn1 + [{"role": "assistant", "content": "an answer " * 20}, {"role": "user", "content": "more"}]
+    key2 = PromptKey.of({"messages": turn2}, BS)
+    matched = t.matched(key2)
+    assert matched == len(PromptKey.of({"messages": turn1}, BS).hashes) and 0 < matched < len(key2.hashes)
+    assert t.matched(PromptKey.of({"messages": [{"role": "user", "content": "x" * 500}]}, BS)) == 0
+
+
+def test_tracker_is_lru_bounded():
+    t = PrefixTracker(capacity=10)
+    t.record(PromptKey.of({"prompt": ids(8 * BS)}, BS))
+    t.record(PromptKey.of({"prompt": ids(8 * BS, seed=3)}, BS))
+    assert len(t.units) == 10
+    assert t.matched(PromptKey.of({"prompt": ids(8 * BS)}, BS)) == 0  # its first blocks went first
+    assert t.matched(PromptKey.of({"prompt": ids(8 * BS, seed=3)}, BS)) == 8
+
+
+def decision(tokens=512.0, d_prefix=0.0, p_prefix=0.0, d_running=0, p_queue=0.0, d_queue=0.0) -> Decision:
+    return Decision(Route.LOCAL, tokens, p_prefix, d_prefix, p_queue, d_queue, d_running, PAIR)
+
+
+def trained(local_s_per_token=0.0004, rest_push=0.010, rest_pull=0.025) -> CostModel:
+    m = CostModel()
+    for n in (128, 256, 512, 1024):
+        d = decision(tokens=n)
+        for route, rest in ((Route.PUSH, rest_push), (Route.PULL, rest_pull), (Route.PUSH_LAYERWISE, rest_push + 0.002)):
+            d.route = route
+            p_time = 0.004 + 0.0004 * n
+            m.observe(d, Outcome(p_time + rest, p_time, None, n, 0))
+        d.route = Route.LOCAL
+        m.observe(d, Outcome(0.004 + local_s_per_token * n, None, 0.004 + local_s_per_token * n, n, 0))
+    return m
+
+
+def test_idle_decode_without_prefix_prefills_locally_busy_one_does_not():
+    m = trained()
+    assert m.choose(decision()).route is Route.LOCAL  # no handover to pay, nobody to stall
+    busy = m.choose(decision(d_running=4))
+    assert busy.route is Route.PUSH, busy.estimates_s  # 4 streams would each stall for the prefill
+    assert busy.estimates_s["local"] < busy.estimates_s["push"]  # the estimate is TTFT; the cost adds the stall
+
+
+def test_prefix_on_decode_makes_local_cheap_even_when_busy():
+    m = trained()
+    d = m.choose(decision(tokens=1024, d_prefix=1000, d_running=4))
+    assert d.route is Route.LOCAL, d.estimates_s
+    assert d.estimates_s["local"] < d.estimates_s["push"] / 10
+
+
+def test_queue_on_prefill_counts():
+    m = trained()
+    d = m.choose(decision(tokens=256, d_running=2, p_queue=4096))
+    assert d.estimates_s["push"] > 0.0004 * 4096
+    assert d.route is Route.LOCAL
+
+
+def test_cheapest_remote_route_is_learned_per_pair():
+    m = trained(rest_push=0.030, rest_pull=0.010)  # here pull's handover is the faster one
+    assert m.choose(decision(d_running=8)).route is Route.PULL
+    other = ("http://p2", "http://d")
+    for _ in range(PAIR_MIN_SAMPLES):  # on another pair, push is fast
+        d = Decision(Route.PUSH, 512, 0, 0, 0, 0, 8, other)
+        m.observe(d, Outcome(0.21 + 0.002, 0.21, None, 512, 0))
+    d = Decision(Route.LOCAL, 512, 0, 0, 0, 0, 8, other)
+    assert m.choose(d).route is Route.PUSH, d.estimates_s
+
+
+def test_every_nth_decision_explores_the_least_measured_route():
+    m = trained()
+    m.samples[Route.PUSH_LAYERWISE] = 0
+    routes = [m.choose(decision(d_running=4)).route for _ in range(EXPLORE_EVERY * 3)]
+    assert routes.count(Route.PUSH_LAYERWISE) == 3 and routes.count(Route.PUSH) == EXPLORE_EVERY * 3 - 3
+
+
+def test_forced_and_local_only_choices():
+    r = AutoRouter()
+    body = {"prompt": ids(40)}
+    assert r.decide(body, "http://p", "http://d", 0, BS, forced=Route.PULL).route is Route.PULL
+    assert r.decide(body, None, "http://d", 5, BS).route is Route.LOCAL  # no usable prefill instance
+
+
+def test_router_tracks_queues_and_prefixes_and_learns_the_text_token_ratio():
+    r = AutoRouter()
+    text = "word " * 400  # 2000 characters
+    d = r.decide({"prompt": text}, "http://p", "http://d", 9, BS, forced=Route.PUSH)
+    assert d.tokens == pytest.approx(500)  # the prior 0.25 tokens per character
+    r.dispatched(d)
+    assert r.queued["http://p"] == pytest.approx(500)
+    again = r.decide({"prompt": text + " more"}, "http://p", "http://d", 9, BS, forced=Route.PUSH)
+    assert again.d_prefix > 0.9 * again.tokens and again.p_prefix > 0.9 * again.tokens
+    r.prefilled(d)
+    assert r.queued["http://p"] == 0
+    trace = {"proxy_received": 100.0, "d_leg_sent": 100.001, "api_received": 50.0, "first_token": 50.2,
+             "p_api_received": 70.0, "p_prefill_done": 70.15}
+    ratio = r.finished(d, trace, {"tokens": 400, "cached_tokens": 0})
+    assert ratio == pytest.approx(0.201 / d.estimates_s["push"])
+    assert r.model.tokens_per_char < 0.25  # 400 tokens for 2000 characters pulls the ratio towards 0.2
+    r.forget("http://d")
+    assert r.decide({"prompt": text}, "http://p", "http://d", 0, BS).d_prefix == 0
+
+
+def test_outcome_reads_one_clock_per_span_and_ignores_garbage():
+    o = outcome({"proxy_received": 10.0, "d_leg_sent": 10.5, "api_received": 900.0, "first_token": 900.25,
+                 "p_api_received": 1.0, "p_prefill_done": 1.125}, {"tokens": 7, "cached_tokens": 3})
+    assert (o.ttft_s, o.p_time_s, o.d_time_s, o.prompt_tokens, o.d_cached_tokens) == (0.75, 0.125, 0.25, 7, 3)
+    bad = outcome({"proxy_received": "x", "first_token": 1.0, "api_received": 2.0}, {"tokens": "7"})
+    assert (bad.ttft_s, bad.d_time_s, bad.prompt_tokens) == (None, None, None)
+    assert outcome(None, None).ttft_s is None
