@@ -44,10 +44,10 @@ def alive(pids: set[int]) -> set[int]:
     return pids & set(parents())
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL])
-def test_up_starts_serves_and_stops_cleanly(tiny_model, tmp_path, sig):
+@pytest.mark.parametrize(("sig", "mode"), [(signal.SIGTERM, "push"), (signal.SIGINT, "auto"), (signal.SIGKILL, "pull")])
+def test_up_starts_serves_and_stops_cleanly(tiny_model, tmp_path, sig, mode):
     port = free_port()
-    up = subprocess.Popen([sys.executable, "-m", "kvpush.cli", "up", tiny_model, "--kv-mode", "push", "--port", str(port),
+    up = subprocess.Popen([sys.executable, "-m", "kvpush.cli", "up", tiny_model, "--kv-mode", mode, "--port", str(port),
                            "--num-blocks", "256", "--block-size", "8"],
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     children: set[int] = set()
@@ -66,7 +66,9 @@ def test_up_starts_serves_and_stops_cleanly(tiny_model, tmp_path, sig):
         req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
                                      headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=60) as r:
-            assert json.loads(r.read())["usage"]["completion_tokens"] == 4
+            out = json.loads(r.read())
+        assert out["usage"]["completion_tokens"] == 4
+        assert ("kvpush_route" in out["choices"][0]) == (mode == "auto")  # auto says which route it took
         up.send_signal(sig)
         # SIGKILL: `up` cannot clean up; its children get SIGTERM from the kernel (parent-death signal)
         assert up.wait(60) == (-signal.SIGKILL if sig == signal.SIGKILL else 0)
