@@ -327,6 +327,7 @@ class PushPair(RuleBasedStateMachine):
                                 clock=lambda: self.now)
         self.d_free, self.p_free = set(range(12)), set(range(12))
         self.tids: list[str] = []
+        self.minted = 0
         self.prefilled: set[str] = set()
         self.d_done = 0
         self.to_p: list[Message] = []
@@ -335,13 +336,19 @@ class PushPair(RuleBasedStateMachine):
         self.completed: set[str] = set()
         self.decoding: set[int] = set()  # D blocks owned by requests that got their KV
 
+    def next_tid(self) -> str:
+        """Ids in creation order: random ones would reorder `sorted(...)` between hypothesis's replays
+        of one example (its draws must not depend on anything but earlier draws)."""
+        self.minted += 1
+        return f"t{self.minted:06d}"
+
     # D admits a request and registers; P finishes its prefill
     @rule(n=st.integers(1, 3), ttl=st.floats(2, 60))
     def d_register(self, n: int, ttl: float) -> None:
         if len(self.d_free) < n:
             return
         blocks = sorted(self.d_free)[:n]
-        tid = new_transfer_id()
+        tid = self.next_tid()
         self.tids.append(tid)
         self.d_free -= set(blocks)
         self.d.register(tid, "r", blocks, self.now + ttl, peer_engine_id=P_ID)
@@ -372,7 +379,7 @@ class PushPair(RuleBasedStateMachine):
 
     @rule()
     def d_full_prefix_hit(self) -> None:
-        tid = new_transfer_id()
+        tid = self.next_tid()
         self.tids.append(tid)
         self.to_p.append(Release(tid))
 
@@ -435,7 +442,7 @@ class PushPair(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def forged_messages(self, data: st.DataObject) -> None:
-        tid = data.draw(st.sampled_from([*self.tids, new_transfer_id()]))
+        tid = data.draw(st.sampled_from([*self.tids, self.next_tid()]))
         before_p, before_d = self.p.records(), self.d.records()
         choices: list[Message] = [Abort(tid), ReadDone(tid), Release(tid), Done(tid), Fail(tid, "forged"),
                                   Commit(tid)]
