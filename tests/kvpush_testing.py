@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 import urllib.error
+from concurrent.futures import ThreadPoolExecutor
 import urllib.request
 
 import pytest
@@ -88,8 +89,11 @@ class Cluster:
         return self
 
     def stop(self) -> None:
-        for p in reversed(self.procs):
-            p.stop()
+        """Proxies first (nothing new reaches the instances), then every instance at once."""
+        proxies = [p for p in self.procs if p.argv and p.argv[0] == "proxy"]
+        for group in (proxies, [p for p in self.procs if p not in proxies]):
+            with ThreadPoolExecutor(max(len(group), 1)) as pool:
+                list(pool.map(ServerProcess.stop, group))
 
 
 def prompt_of(n: int, seed: int) -> list[int]:

@@ -22,6 +22,7 @@ from kvpush.device import resolve_device
 from kvpush.engine.block_manager import BlockManager
 from kvpush.engine.kv_connector import EngineHooks, KVConnector
 from kvpush.engine.model_runner import ModelRunner
+from kvpush.engine.prompt_check import check_prompt
 from kvpush.engine.request import Request, RequestStatus, TokenLogprob
 from kvpush.engine.sampling_params import SamplingParams
 from kvpush.engine.scheduler import Scheduler
@@ -191,21 +192,3 @@ def _generation_eos(model_dir: str) -> set[int]:
     except (OSError, json.JSONDecodeError):
         return set()
     return set(eos if isinstance(eos, list) else [] if eos is None else [eos])
-
-
-def check_prompt(prompt_token_ids: list[int], max_model_len: int, vocab_size: int, num_blocks: int,
-                 block_size: int) -> None:
-    """Raise InvalidRequestError for an empty prompt, one that cannot fit, or an unknown token id."""
-    n = len(prompt_token_ids)
-    if n == 0:
-        raise InvalidRequestError("prompt is empty", param="prompt")
-    if n >= max_model_len:
-        raise InvalidRequestError(
-            f"prompt has {n} tokens; this model's maximum context length is {max_model_len} "
-            f"tokens including at least 1 generated token", param="prompt")
-    if -(-(n + 1) // block_size) > num_blocks:
-        raise InvalidRequestError(
-            f"prompt has {n} tokens but the KV cache holds only {num_blocks * block_size}", param="prompt")
-    bad = next((t for t in prompt_token_ids if not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise InvalidRequestError(f"token id {bad} is outside the vocabulary [0, {vocab_size})", param="prompt")

@@ -19,7 +19,7 @@ from aiohttp import web
 
 from kvpush.config import Role, ServerConfig
 from kvpush.engine.admission import ShedReason, decide
-from kvpush.engine.engine import check_prompt
+from kvpush.engine.prompt_check import check_prompt
 from kvpush.engine.sampling_params import SamplingParams
 from kvpush.errors import InvalidRequestError
 from kvpush.kv_params import RequestLegParams

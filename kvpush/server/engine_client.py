@@ -23,7 +23,6 @@ from kvpush.engine.admission import Load, blocks_for
 from kvpush.errors import ModelLoadError
 from kvpush.kv_params import DecodeLegParams, RequestLegParams
 from kvpush.server import messages as m
-from kvpush.server.engine_core import run_engine_core
 
 log = logging.getLogger("kvpush.engine_client")
 
@@ -50,8 +49,11 @@ class EngineClient:
         self._in_transit_blocks = 0
 
     # ---- lifecycle -----------------------------------------------------------------------
-    async def start(self, target=run_engine_core, extra_args: tuple = ()) -> m.CoreReady:
-        """Spawn the core and wait until it has loaded the model. Raises ModelLoadError."""
+    async def start(self, target=None, extra_args: tuple = ()) -> m.CoreReady:
+        """Spawn the core (`target`: kvpush.server.engine_core.run_engine_core unless a test says otherwise)
+        and wait until it has loaded the model. Raises ModelLoadError."""
+        if target is None:  # this (API) process never imports torch; the spawned core does
+            from kvpush.server.core_entry import run_engine_core as target
         ctx = mp.get_context("spawn")
         core_in, self._to_core = ctx.Pipe(duplex=False)
         from_core, core_out = ctx.Pipe(duplex=False)
