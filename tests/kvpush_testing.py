@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import time
 import urllib.error
-from concurrent.futures import ThreadPoolExecutor
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
