@@ -262,6 +262,22 @@ def test_random_samples():
         random_samples(3, 5, 2, vocab_size=2, avoid_ids=[0, 1])
 
 
+def test_session_samples_extend_the_previous_turn_round_robin():
+    from kvpush.bench.datasets import session_samples
+
+    samples = session_samples(10, 16, 4, turns=3, turn_len=5, vocab_size=50, avoid_ids=[0], seed=3)
+    assert samples == session_samples(10, 16, 4, turns=3, turn_len=5, vocab_size=50, avoid_ids=[0], seed=3)
+    assert len(samples) == 10  # 4 sessions of 3 turns, the last one cut short
+    sessions = [samples[i::4] for i in range(4)]
+    for turns in sessions:
+        for prev, nxt in zip(turns, turns[1:], strict=False):
+            assert nxt.prompt[: prev.prompt_len] == prev.prompt and nxt.prompt_len == prev.prompt_len + 4 + 5
+        assert turns[0].prompt_len == 16 and all(s.output_len == 4 and 0 not in s.prompt for s in turns)
+    assert len({tuple(t[0].prompt) for t in sessions}) == 4  # sessions do not share their first prompt
+    with pytest.raises(DatasetError):
+        session_samples(3, 5, 2, turns=0)
+
+
 def test_sharegpt_and_file_samples(tmp_path: Path):
     convs = [
         {"conversations": [{"from": "human", "value": "a" * 40}, {"from": "gpt", "value": "b" * 80}]},

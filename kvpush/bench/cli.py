@@ -33,7 +33,14 @@ from typing import Any
 
 import msgspec
 
-from kvpush.bench.datasets import DatasetError, Sample, file_samples, random_samples, sharegpt_samples
+from kvpush.bench.datasets import (
+    DatasetError,
+    Sample,
+    file_samples,
+    random_samples,
+    session_samples,
+    sharegpt_samples,
+)
 from kvpush.bench.loadgen import BenchmarkAborted, LoadConfig, RunResult, fetch_model, run_load_sync
 from kvpush.bench.metrics import BenchmarkMetrics, compute_metrics, parse_slo
 from kvpush.bench.report import compare, fmt_rate, format_table, load_run
@@ -114,13 +121,16 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     add("--api-key", default=None, help="sent as a bearer token; never written to results")
     add("--result-dir", default=DEFAULT_RESULT_DIR, help="where the run JSON files go")
     add("--mode-label", default="other", help="label stored as config.mode (push, pull, colocated...)")
-    add("--dataset", choices=("random", "sharegpt", "file"), default="random")
+    add("--dataset", choices=("random", "sessions", "sharegpt", "file"), default="random",
+        help="sessions: multi-turn token-id prompts, each turn extending the previous (--session-turns, --turn-len)")
     add("--dataset-path", default=None, help="ShareGPT JSON or prompt file (one per line)")
     add("--input-len", type=_positive_int, default=DEFAULT_INPUT_LEN, help="random: tokens after the prefix")
     add("--output-len", type=_positive_int, default=None,
         help=f"max_tokens per request (default {DEFAULT_OUTPUT_LEN}; sharegpt: the reply's length)")
     add("--range-ratio", type=_range_ratio, default=0.0, help="random: lengths vary by +-this fraction")
     add("--prefix-len", type=_nonneg_int, default=0, help="random: tokens shared by every prompt")
+    add("--session-turns", type=_positive_int, default=4, help="sessions: turns per session")
+    add("--turn-len", type=_positive_int, default=64, help="sessions: new tokens per turn (after the answer's)")
     add("--vocab-size", type=_positive_int, default=1000,
         help="random: ids are drawn from [0, vocab-size); the default 1000 fits inside any real "
         "vocabulary (the server's is not queried); exclude special ids with --avoid-token-ids")
@@ -161,6 +171,10 @@ def build_samples(args: argparse.Namespace, count: int, seed: int) -> list[Sampl
             prefix_len=args.prefix_len, vocab_size=args.vocab_size, avoid_ids=args.avoid_token_ids,
             seed=seed,
         )
+    if args.dataset == "sessions":
+        return session_samples(count, args.input_len, output_len or DEFAULT_OUTPUT_LEN, turns=args.session_turns,
+                               turn_len=args.turn_len, vocab_size=args.vocab_size, avoid_ids=args.avoid_token_ids,
+                               seed=seed)
     if not args.dataset_path:
         raise DatasetError(f"--dataset-path is required with --dataset {args.dataset}")
     if args.dataset == "sharegpt":
@@ -285,8 +299,14 @@ def summary_line(label: str, rate: float, m: BenchmarkMetrics) -> str:
 def _one_run(args: argparse.Namespace, k: int, rate: float, model: str) -> tuple[dict[str, Any], Path]:
     """Run the k-th rate of the sweep and write its JSON; raises DatasetError/BenchmarkAborted."""
     seed = args.seed + k
-    samples = build_samples(args, args.num_prompts + args.num_warmups, seed)
-    measured, warm = samples[: args.num_prompts], samples[args.num_prompts :]
+    if args.dataset == "sessions":  # warm-ups outside the sessions: they must not pre-fill later turns' prefixes
+        measured = build_samples(args, args.num_prompts, seed)
+        warm = random_samples(args.num_warmups, args.input_len, args.output_len or DEFAULT_OUTPUT_LEN,
+                              vocab_size=args.vocab_size, avoid_ids=args.avoid_token_ids,
+                              seed=seed + 7_777_777) if args.num_warmups else []
+    else:
+        samples = build_samples(args, args.num_prompts + args.num_warmups, seed)
+        measured, warm = samples[: args.num_prompts], samples[args.num_prompts :]
     cfg = LoadConfig(
         base_url=args.base_url, model=model, request_rate=rate, burstiness=args.burstiness,
         max_concurrency=args.max_concurrency, num_warmups=args.num_warmups, ignore_eos=args.ignore_eos,

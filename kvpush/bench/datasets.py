@@ -1,4 +1,4 @@
-"""Benchmark prompt sets: random token ids, ShareGPT conversations, plain prompt files.
+"""Benchmark prompt sets: random token ids, multi-turn sessions, ShareGPT conversations, prompt files.
 
 Every loader returns ``list[Sample]`` of exactly ``num_prompts`` samples and is deterministic for a
 given ``seed``.
@@ -97,6 +97,47 @@ def random_samples(
         ids = prefix + allowed[rng.integers(0, allowed.size, size=n_in)].tolist()
         prompt: str | list[int] = decode(ids) if decode is not None else ids
         samples.append(Sample(prompt=prompt, prompt_len=len(ids), output_len=int(n_out)))
+    return samples
+
+
+def session_samples(
+    num_prompts: int,
+    input_len: int,
+    output_len: int,
+    *,
+    turns: int = 4,
+    turn_len: int = 64,
+    vocab_size: int = 1000,
+    avoid_ids: Iterable[int] = (),
+    seed: int = 0,
+) -> list[Sample]:
+    """Multi-turn sessions of token-id prompts, in the order a chat service sees them.
+
+    A session's first prompt is ``input_len`` random tokens; each later turn's prompt is the previous
+    one, then ``output_len`` tokens standing for the answer, then ``turn_len`` new tokens (the user's
+    next message), so an instance that served the previous turn holds most of the prompt. Sessions are
+    interleaved round-robin (turn 0 of every session, then turn 1, ...), which puts
+    ``ceil(num_prompts / turns)`` requests between two turns of a session: at the benchmark's rates,
+    time enough for the previous turn to finish.
+    """
+    _check_random_args(num_prompts, input_len, output_len, 0.0, 0)
+    if turns < 1 or turn_len < 1:
+        raise DatasetError(f"turns and turn_len must be >= 1, got {turns}, {turn_len}")
+    rng = np.random.default_rng(seed)
+    allowed = _allowed_ids(vocab_size, avoid_ids)
+
+    def draw(n: int) -> list[int]:
+        return allowed[rng.integers(0, allowed.size, size=n)].tolist()
+
+    num_sessions = -(-num_prompts // turns)
+    prompts = [draw(input_len) for _ in range(num_sessions)]
+    samples: list[Sample] = []
+    for _turn in range(turns):
+        for s in range(num_sessions):
+            if len(samples) == num_prompts:
+                return samples
+            samples.append(Sample(prompt=prompts[s], prompt_len=len(prompts[s]), output_len=output_len))
+            prompts[s] = prompts[s] + draw(output_len) + draw(turn_len)
     return samples
 
 

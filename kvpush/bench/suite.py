@@ -16,11 +16,15 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvpush.bench import cli as bench_cli
 from kvpush.bench.report import compare, format_handover, format_phases, format_table, load_run
 from kvpush.launch import ServerProcess, free_port
 from kvpush.server.up import Deployment
+
+if TYPE_CHECKING:
+    from kvpush.netlink import RateLimitedLink
 
 MODES = ("colocated", "pull", "push")
 SPECIAL_IDS = "0,1,2"
@@ -51,7 +55,9 @@ class SuiteConfig:
 class Fleet:
     """One serving endpoint per mode, started together and stopped together."""
 
-    def __init__(self, cfg: SuiteConfig, log_dir: str) -> None:
+    def __init__(self, cfg: SuiteConfig, log_dir: str, link: RateLimitedLink | None = None) -> None:
+        """A colocated server and one 1P1D deployment per other mode (pull, push, push-layerwise, auto);
+        with `link`, every deployment's P and D talk over it (the colocated server has no transfer)."""
         self.urls: dict[str, str] = {}
         self.colocated: ServerProcess | None = None
         self.deployments: dict[str, Deployment] = {}
@@ -59,10 +65,10 @@ class Fleet:
             port = free_port()
             self.colocated = ServerProcess(["serve", cfg.model, "--port", str(port), *cfg.serve_args],
                                            log_path=os.path.join(log_dir, "colocated.log"))
-        for mode in ("push", "pull"):
-            if mode in cfg.modes:
+        for mode in cfg.modes:
+            if mode != "colocated":
                 self.deployments[mode] = Deployment(cfg.model, 1, 1, mode, free_port(), cfg.serve_args, [],
-                                                    log_dir=os.path.join(log_dir, mode), pin=cfg.pin)
+                                                    log_dir=os.path.join(log_dir, mode), pin=cfg.pin, link=link)
 
     def start(self) -> Fleet:
         try:
@@ -134,10 +140,10 @@ def bench_args(cfg: SuiteConfig, url: str, mode: str, rate: float, seed: int) ->
 
 
 def measure_capacity(cfg: SuiteConfig, fleet: Fleet) -> float:
-    """Completed requests per second of the slowest 1P1D deployment when every request is sent at
-    once (cfg.capacity_prompts of them, the suite's lengths): the rate both modes can sustain."""
+    """Completed requests per second of the slower 1P1D deployment, push or pull (else any), when every
+    request is sent at once (cfg.capacity_prompts of them, the suite's lengths): the rate both sustain."""
     measured = []
-    for mode in fleet.deployments:
+    for mode in [m for m in fleet.deployments if m in ("push", "pull")] or list(fleet.deployments):
         args = bench_args(cfg, fleet.urls[mode], mode, float("inf"), cfg.seed + 999_999)
         args.num_prompts, args.result_dir = cfg.capacity_prompts, os.path.join(cfg.result_dir, "capacity")
         doc, _ = bench_cli._one_run(args, 0, float("inf"), cfg.model)

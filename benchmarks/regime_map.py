@@ -1,0 +1,59 @@
+"""The regime map (README "Where push wins and where it loses"): every mode side by side per cell.
+
+    python benchmarks/regime_map.py --quick                 # ~10 min: 512/32, loads 50/80%, no prefix / sessions
+    python benchmarks/regime_map.py                         # the full grid (about an hour)
+    sudo python benchmarks/regime_map.py --link-gbps 0.5    # and again with P and D over a 0.5 Gbit/s link
+    python benchmarks/regime_map.py --report-only --readme README.md   # regenerate the README section
+
+Modes: colocated, pull, push, push-layerwise and auto (one deployment each, all up together; P and D
+pinned to separate halves of the cores). Grid: prompt length x output length x load (a fraction of
+the slower of push and pull at full concurrency, measured per length pair) x prefix (fresh prompts,
+or multi-turn sessions whose earlier turns D already holds) [x link]. Per cell every mode runs on
+the same prompts in an order that rotates from cell to cell. Writes regime_map.json (updated after
+every cell), regime_map.md and regime_map.png under --result-dir.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from kvpush.bench.regime import GRIDS, MODES, MapConfig, run_map
+from kvpush.bench.regime_report import report
+from kvpush.config import default_model_dir
+from kvpush.demo import ensure_model
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="checkpoint (default: the bench preset, made if missing)")
+    ap.add_argument("--quick", action="store_true", help="the ~10-minute subset")
+    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    ap.add_argument("--link-gbps", type=float, default=None, help="also map over a rate-limited link (root)")
+    ap.add_argument("--run-s", type=float, default=None, help="seconds of load per mode and cell")
+    ap.add_argument("--min-prompts", type=int, default=None)
+    ap.add_argument("--max-prompts", type=int, default=None)
+    ap.add_argument("--result-dir", default="kvpush-results/regime_map")
+    ap.add_argument("--no-pin", action="store_true")
+    ap.add_argument("--report-only", action="store_true", help="only regenerate the report from the JSON")
+    ap.add_argument("--readme", type=Path, default=None, help="also rewrite this README's generated section")
+    args = ap.parse_args()
+    grid = "quick" if args.quick else "full"
+    assert grid in GRIDS
+    path = Path(args.result_dir) / "regime_map.json"
+    if not args.report_only:
+        model = args.model or ensure_model(default_model_dir(), "bench")
+        defaults = MapConfig(model=model)
+        cfg = MapConfig(model=model, grid=grid, modes=tuple(args.modes), link_gbps=args.link_gbps,
+                        run_s=args.run_s or (12.0 if args.quick else defaults.run_s),
+                        min_prompts=args.min_prompts or defaults.min_prompts,
+                        max_prompts=args.max_prompts or defaults.max_prompts,
+                        result_dir=args.result_dir, pin=not args.no_pin,
+                        command=" ".join(["python benchmarks/regime_map.py", *sys.argv[1:]]))
+        path = run_map(cfg)
+    print(report(path, args.readme, Path("docs/img/regime_map.png") if args.readme else None))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,196 @@
+"""The regime map: where push beats pull, where it loses, and whether auto keeps up with the best.
+
+    STARTING (one deployment per mode: colocated, pull, push, push-layerwise, auto; on a rate-limited
+       link too with --link-gbps) -> per link and (prompt length, output length): CAPACITY (the slower
+       of push and pull, every request at once) -> per (load fraction, prefix) cell: every mode in
+       rotating order on the same prompts at load x capacity -> SUMMARY (percentiles and ratios with
+       95% bootstrap intervals per cell) -> STOPPED (every process, also on error or Ctrl-C)
+
+Prefix "none" draws fresh random prompts; "sessions" sends multi-turn sessions (each turn extends
+the previous one, so D - or a colocated server - already holds most of the prompt). A run lasts
+about `run_s` seconds (at least `min_prompts`, at most `max_prompts` requests). Ratios whose interval
+spans 1.0 are "cannot tell".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvpush.bench import cli as bench_cli
+from kvpush.bench.report import request_values
+from kvpush.bench.stats import Stat, fmt_ci, p50, p99, ratio_ci, verdict
+from kvpush.bench.suite import Fleet, SuiteConfig, bench_args, measure_capacity
+
+MODES = ("colocated", "pull", "push", "push-layerwise", "auto")
+FIXED = ("pull", "push", "push-layerwise")
+ROUTES = ("push", "push-layerwise", "pull", "local")
+GRIDS: dict[str, dict[str, tuple]] = {
+    "full": {"input_lens": (128, 512, 2048), "output_lens": (32, 256), "loads": (0.25, 0.5, 0.8),
+             "prefixes": ("none", "sessions")},
+    "quick": {"input_lens": (512,), "output_lens": (32,), "loads": (0.5, 0.8), "prefixes": ("none", "sessions")},
+}
+
+
+@dataclass
+class MapConfig:
+    model: str
+    grid: str = "quick"
+    modes: tuple[str, ...] = MODES
+    link_gbps: float | None = None  # also map P and D over a rate-limited link (root)
+    run_s: float = 20.0
+    min_prompts: int = 12
+    max_prompts: int = 40
+    capacity_prompts: int = 16
+    turns: int = 4
+    turn_len: int = 64
+    seed: int = 0
+    pin: bool = True
+    result_dir: str = "kvpush-results/regime_map"
+    command: str = ""  # how the map was run (shown in the report)
+    serve_args: list[str] = field(default_factory=lambda: ["--torch-threads", "1"])
+
+
+@dataclass(frozen=True)
+class Cell:
+    link: str
+    input_len: int
+    output_len: int
+    load: float
+    prefix: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.link} {self.input_len}/{self.output_len} {self.load:.0%} {self.prefix}"
+
+
+def num_prompts(cfg: MapConfig, rate: float) -> int:
+    return max(cfg.min_prompts, min(cfg.max_prompts, round(rate * cfg.run_s)))
+
+
+def _routes(url: str) -> dict[str, float]:
+    """The auto proxy's route counters (kvpush_proxy_kv_mode_chosen_total)."""
+    out = dict.fromkeys(ROUTES, 0.0)
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith("kvpush_proxy_kv_mode_chosen_total{"):
+                route = line.split('route="', 1)[1].split('"', 1)[0]
+                out[route] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def run_cell(cfg: MapConfig, suite: SuiteConfig, fleet: Fleet, cell: Cell, rate: float, index: int) -> dict[str, Any]:
+    """Every mode on the same prompts at `rate`, in an order that rotates from cell to cell."""
+    modes = [m for m in cfg.modes if m in fleet.urls]
+    order = modes[index % len(modes):] + modes[: index % len(modes)]
+    seed = cfg.seed + 1000 * index
+    runs: dict[str, dict] = {}
+    routes: dict[str, float] = {}
+    for mode in order:
+        args = bench_args(suite, fleet.urls[mode], mode, rate, seed)
+        args.num_prompts = num_prompts(cfg, rate)
+        args.result_dir = os.path.join(cfg.result_dir, "runs", cell.link.replace(" ", "").replace("/", "_"))
+        if cell.prefix == "sessions":
+            args.dataset, args.session_turns, args.turn_len = "sessions", cfg.turns, cfg.turn_len
+        before = _routes(fleet.urls[mode]) if mode == "auto" else None
+        runs[mode], _ = bench_cli._one_run(args, 0, rate, cfg.model)
+        if before is not None:
+            after = _routes(fleet.urls[mode])
+            routes = {r: after[r] - before[r] for r in ROUTES}
+    return summarize(cell, rate, runs, routes)
+
+
+def _pct(values: list[float], stat: Stat) -> float | None:
+    return float(stat(np.asarray(values))) if values else None
+
+
+def _ratio(a: list[float], b: list[float], stat: Stat, a_name: str, b_name: str) -> dict[str, Any] | None:
+    if len(a) < 2 or len(b) < 2:
+        return None
+    est, lo, hi = ratio_ci(a, b, stat=stat)
+    return {"ratio": est, "lo": lo, "hi": hi, "verdict": verdict(lo, hi, a_name, b_name), "text": fmt_ci(est, lo, hi)}
+
+
+def summarize(cell: Cell, rate: float, runs: dict[str, dict], routes: dict[str, float]) -> dict[str, Any]:
+    """Per mode: requests, failures, TTFT p50/p99, TPOT p50 (ms); push/pull and auto/best-fixed ratios."""
+    ttft = {m: request_values([doc], "ttft") for m, doc in runs.items()}
+    tpot = {m: request_values([doc], "tpot") for m, doc in runs.items()}
+    modes = {m: {"completed": int(doc["metrics"].get("completed", 0)), "failed": int(doc["metrics"].get("failed", 0)),
+                 "ttft_p50_ms": _pct(ttft[m], p50), "ttft_p99_ms": _pct(ttft[m], p99),
+                 "tpot_p50_ms": _pct(tpot[m], p50)} for m, doc in runs.items()}
+    out: dict[str, Any] = {"cell": asdict(cell), "name": cell.name, "rate": rate, "modes": modes, "routes": routes}
+    if "push" in runs and "pull" in runs:
+        out["push_vs_pull"] = {"ttft_p50": _ratio(ttft["push"], ttft["pull"], p50, "push", "pull"),
+                               "ttft_p99": _ratio(ttft["push"], ttft["pull"], p99, "push", "pull"),
+                               "tpot_p50": _ratio(tpot["push"], tpot["pull"], p50, "push", "pull")}
+    fixed = [m for m in FIXED if m in runs and modes[m]["ttft_p50_ms"] is not None]
+    if "auto" in runs and fixed:
+        best = min(fixed, key=lambda m: float(modes[m]["ttft_p50_ms"] or 0.0))
+        out["auto_vs_best"] = {"best": best,
+                               "ttft_p50": _ratio(ttft["auto"], ttft[best], p50, "auto", best),
+                               "ttft_p99": _ratio(ttft["auto"], ttft[best], p99, "auto", best),
+                               "tpot_p50": _ratio(tpot["auto"], tpot[best], p50, "auto", best)}
+    return out
+
+
+def cells_for(cfg: MapConfig, link: str, input_len: int, output_len: int) -> list[Cell]:
+    grid = GRIDS[cfg.grid]
+    return [Cell(link, input_len, output_len, load, prefix) for load in grid["loads"] for prefix in grid["prefixes"]]
+
+
+def map_link(cfg: MapConfig, link_name: str, link: Any, results: list[dict], save: Callable[[], None]) -> None:
+    """Start the fleet (over `link`, or none), then every cell of the grid on it."""
+    grid = GRIDS[cfg.grid]
+    base = SuiteConfig(model=cfg.model, modes=cfg.modes, serve_args=cfg.serve_args, pin=cfg.pin,
+                       capacity_prompts=cfg.capacity_prompts, result_dir=cfg.result_dir, seed=cfg.seed)
+    log_dir = os.path.join(cfg.result_dir, "logs", link_name.replace(" ", "").replace("/", "_"))
+    os.makedirs(log_dir, exist_ok=True)
+    fleet = Fleet(base, log_dir, link).start()
+    try:
+        for input_len in grid["input_lens"]:
+            for output_len in grid["output_lens"]:
+                suite = SuiteConfig(**{**base.__dict__, "input_len": input_len, "output_len": output_len})
+                capacity = measure_capacity(suite, fleet)
+                print(f"[{link_name} {input_len}/{output_len}] capacity {capacity:.3f} req/s", flush=True)
+                for cell in cells_for(cfg, link_name, input_len, output_len):
+                    rate = round(cell.load * capacity, 4)
+                    summary = run_cell(cfg, suite, fleet, cell, rate, len(results))
+                    summary["capacity"] = capacity
+                    results.append(summary)
+                    save()
+    finally:
+        fleet.stop()
+
+
+def run_map(cfg: MapConfig) -> Path:
+    """Run the map; writes (and keeps updating) regime_map.json; returns its path."""
+    Path(cfg.result_dir).mkdir(parents=True, exist_ok=True)
+    path = Path(cfg.result_dir) / "regime_map.json"
+    results: list[dict] = []
+    started = time.time()
+
+    def save() -> None:
+        doc = {"config": asdict(cfg), "environment": bench_cli.environment(), "elapsed_s": time.time() - started,
+               "cells": results}
+        path.write_text(json.dumps(doc, indent=1))
+
+    map_link(cfg, "full", None, results, save)
+    if cfg.link_gbps is not None:
+        from kvpush.netlink import LinkConfig, RateLimitedLink, require_root
+
+        require_root()
+        link = RateLimitedLink(LinkConfig(gbps=cfg.link_gbps)).start()
+        try:
+            map_link(cfg, f"{cfg.link_gbps:g} Gbit/s", link, results, save)
+        finally:
+            link.close()
+    save()
+    return path

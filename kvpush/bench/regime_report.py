@@ -1,0 +1,163 @@
+"""The regime map's report: a Markdown table per cell, heatmaps of the push/pull and auto/best ratios,
+and the README section ("Where push wins and where it loses") generated from regime_map.json.
+
+Every statement in the generated text names the cells behind it; a ratio whose 95% interval spans
+1.0 is "cannot tell" and is never counted for either side.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+BEGIN, END = "<!-- regime-map:begin -->", "<!-- regime-map:end -->"
+PANELS = (("push_vs_pull", "ttft_p50", "push/pull TTFT p50"), ("push_vs_pull", "ttft_p99", "push/pull TTFT p99"),
+          ("push_vs_pull", "tpot_p50", "push/pull TPOT p50"), ("auto_vs_best", "ttft_p50", "auto/best fixed TTFT p50"))
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:.0f}"
+
+
+def _cell_ratio(c: dict, group: str, key: str) -> dict | None:
+    g = c.get(group) or {}
+    r = g.get(key)
+    return r if isinstance(r, dict) else None
+
+
+def _ratio_text(r: dict | None) -> str:
+    if r is None:
+        return "-"
+    mark = "" if r["verdict"] == "cannot tell" else " **" + r["verdict"] + "**"
+    return f"{r['ratio']:.2f} [{r['lo']:.2f}, {r['hi']:.2f}]" + (mark or " cannot tell")
+
+
+def markdown(doc: dict[str, Any]) -> str:
+    """One row per cell: TTFT p50 per mode, the push/pull ratios, auto against the best fixed mode."""
+    cells = doc["cells"]
+    modes = [m for m in doc["config"]["modes"] if any(m in c["modes"] for c in cells)]
+    head = ("| cell (link in/out load prefix) | rate | " + " | ".join(f"{m} TTFT p50" for m in modes)
+            + " | push/pull TTFT p50 | push/pull TTFT p99 | push/pull TPOT p50 | auto / best fixed TTFT p50 "
+              "| auto / best p99 | auto routes |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for c in cells:
+        best = (c.get("auto_vs_best") or {}).get("best", "")
+        routes = ", ".join(f"{k} {v:.0f}" for k, v in (c.get("routes") or {}).items() if v)
+        row = [c["name"], f"{c['rate']:.2f}", *[_ms((c["modes"].get(m) or {}).get("ttft_p50_ms")) for m in modes],
+               _ratio_text(_cell_ratio(c, "push_vs_pull", "ttft_p50")),
+               _ratio_text(_cell_ratio(c, "push_vs_pull", "ttft_p99")),
+               _ratio_text(_cell_ratio(c, "push_vs_pull", "tpot_p50")),
+               (best + ": " if best else "") + _ratio_text(_cell_ratio(c, "auto_vs_best", "ttft_p50")),
+               _ratio_text(_cell_ratio(c, "auto_vs_best", "ttft_p99")), routes or "-"]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def _names(cells: list[dict], group: str, key: str, outcome: str) -> list[str]:
+    return [c["name"] for c in cells if (r := _cell_ratio(c, group, key)) is not None and r["verdict"] == outcome]
+
+
+def findings(doc: dict[str, Any]) -> str:
+    """Plain-words boundaries, each with the cells behind it."""
+    cells = doc["cells"]
+    out = []
+    for key, what in (("ttft_p50", "TTFT p50"), ("ttft_p99", "TTFT p99"), ("tpot_p50", "TPOT p50")):
+        push, pull = _names(cells, "push_vs_pull", key, "push better"), _names(cells, "push_vs_pull", key, "pull better")
+        tell = _names(cells, "push_vs_pull", key, "cannot tell")
+        out.append(f"- **{what}**: push better in {len(push)} cell(s){': ' + '; '.join(push) if push else ''}; "
+                   f"pull better in {len(pull)}{': ' + '; '.join(pull) if pull else ''}; "
+                   f"cannot tell in {len(tell)}.")
+    worse = [c["name"] for c in cells if (r := _cell_ratio(c, "auto_vs_best", "ttft_p50")) is not None
+             and r["verdict"] == f"{c['auto_vs_best']['best']} better"]
+    better = _names(cells, "auto_vs_best", "ttft_p50", "auto better")
+    n = sum(1 for c in cells if _cell_ratio(c, "auto_vs_best", "ttft_p50") is not None)
+    out.append(f"- **auto vs the best fixed mode of each cell (TTFT p50)**: worse beyond the interval in "
+               f"{len(worse)} of {n} cell(s){': ' + '; '.join(worse) if worse else ''}; better in {len(better)}"
+               f"{': ' + '; '.join(better) if better else ''}.")
+    return "\n".join(out)
+
+
+def heatmaps(doc: dict[str, Any], out: Path) -> Path | None:
+    """One panel per ratio: rows (link, prompt/output length), columns (load, prefix); the colour is
+    log2 of the ratio (blue: the first mode faster), the text the ratio, '~' when cannot tell."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    cells = doc["cells"]
+    rows = sorted({(c["cell"]["link"], c["cell"]["input_len"], c["cell"]["output_len"]) for c in cells},
+                  key=lambda r: (r[0] != "full", r[1], r[2]))
+    cols = sorted({(c["cell"]["prefix"], c["cell"]["load"]) for c in cells})
+    fig, axes = plt.subplots(1, len(PANELS), figsize=(4.2 * len(PANELS), 1.0 + 0.55 * len(rows)), squeeze=False)
+    for ax, (group, key, title) in zip(axes[0], PANELS, strict=True):
+        grid = [[math.nan] * len(cols) for _ in rows]
+        for c in cells:
+            r = _cell_ratio(c, group, key)
+            i = rows.index((c["cell"]["link"], c["cell"]["input_len"], c["cell"]["output_len"]))
+            j = cols.index((c["cell"]["prefix"], c["cell"]["load"]))
+            if r is not None:
+                grid[i][j] = math.log2(r["ratio"])
+                ax.text(j, i, f"{r['ratio']:.2f}{'~' if r['verdict'] == 'cannot tell' else ''}", ha="center",
+                        va="center", fontsize=8)
+        ax.imshow(grid, cmap="RdBu_r", vmin=-1, vmax=1, aspect="auto")
+        ax.set_title(title, fontsize=9)
+        ax.set_xticks(range(len(cols)), [f"{p}\n{load:.0%}" for p, load in cols], fontsize=7)
+        ax.set_yticks(range(len(rows)), [f"{lk} {i}/{o}" for lk, i, o in rows], fontsize=7)
+    fig.suptitle("ratio < 1 (blue): the first mode is faster; ~ = the 95% interval spans 1 (cannot tell)", fontsize=8)
+    fig.tight_layout()
+    path = out / "regime_map.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def section(doc: dict[str, Any], png: str | None) -> str:
+    cfg = doc["config"]
+    command = cfg.get("command") or "benchmarks/regime_map.py"
+    minutes = doc.get("elapsed_s", 0) / 60
+    return "\n".join([
+        BEGIN,
+        f"Generated from `{command}` ({cfg['grid']} grid, {len(doc['cells'])} cells, {minutes:.0f} min, "
+        f"{cfg['min_prompts']}-{cfg['max_prompts']} requests per mode and cell; loads are fractions of the "
+        "slower of push and pull at full concurrency; 95% bootstrap intervals; **bold** = the interval excludes 1).",
+        "",
+        findings(doc),
+        "",
+        *([f"![regime map]({png})", ""] if png else []),
+        markdown(doc),
+        END,
+    ])
+
+
+def update_readme(readme: Path, text: str) -> None:
+    """Replace the generated section between the markers (appended at the end the first time)."""
+    body = readme.read_text()
+    if BEGIN in body and END in body:
+        head, rest = body.split(BEGIN, 1)
+        body = head + text + rest.split(END, 1)[1]
+    else:
+        body = body.rstrip("\n") + "\n\n" + text + "\n"
+    readme.write_text(body)
+
+
+def report(path: Path, readme: Path | None = None, image: Path | None = None) -> str:
+    """regime_map.md (and PNG) next to the JSON; with `readme`, its generated section too (the PNG
+    copied to `image`, a path relative to the README's folder, e.g. docs/img/regime_map.png)."""
+    doc = json.loads(path.read_text())
+    png = heatmaps(doc, path.parent)
+    link = str(png) if png else None
+    if png is not None and readme is not None and image is not None:
+        target = readme.parent / image
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(png.read_bytes())
+        link = str(image)
+    text = section(doc, link)
+    (path.parent / "regime_map.md").write_text(text + "\n")
+    if readme is not None:
+        update_readme(readme, text)
+    return text

@@ -1,0 +1,73 @@
+"""The regime map's arithmetic and report on synthetic runs: per-mode percentiles, push/pull and
+auto/best-fixed ratios with verdicts, the findings text naming its cells, the heatmap and the README
+section replaced in place."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvpush.bench.regime import Cell, MapConfig, num_prompts, summarize
+from kvpush.bench.regime_report import BEGIN, END, findings, markdown, report
+
+
+def run(ttfts_ms: list[float], tpot_ms: float = 10.0, out: int = 9) -> dict:
+    reqs = [{"success": True, "ttft_s": t / 1e3, "e2el_s": t / 1e3 + tpot_ms / 1e3 * (out - 1), "output_tokens": out}
+            for t in ttfts_ms]
+    return {"metrics": {"completed": len(reqs), "failed": 0}, "requests": reqs}
+
+
+def spread(center: float, n: int = 30) -> list[float]:
+    return [center * (0.9 + 0.2 * i / (n - 1)) for i in range(n)]
+
+
+def cell_summary(push: float, pull: float, auto: float, layerwise: float = 500.0, prefix: str = "none") -> dict:
+    runs = {"colocated": run(spread(90)), "pull": run(spread(pull)), "push": run(spread(push)),
+            "push-layerwise": run(spread(layerwise)), "auto": run(spread(auto))}
+    return summarize(Cell("full", 512, 32, 0.5, prefix), 1.2, runs, {"push": 20, "local": 10})
+
+
+def test_summary_percentiles_and_ratios():
+    s = cell_summary(push=100, pull=150, auto=101)
+    assert s["modes"]["pull"]["ttft_p50_ms"] == pytest.approx(150)
+    assert s["modes"]["push"]["tpot_p50_ms"] == pytest.approx(10)
+    r = s["push_vs_pull"]["ttft_p50"]
+    assert r["ratio"] == pytest.approx(100 / 150) and r["verdict"] == "push better" and r["hi"] < 1
+    assert s["push_vs_pull"]["tpot_p50"]["verdict"] == "cannot tell"  # identical TPOT
+    assert s["auto_vs_best"]["best"] == "push" and s["auto_vs_best"]["ttft_p50"]["verdict"] == "cannot tell"
+    worse = cell_summary(push=100, pull=150, auto=160)
+    assert worse["auto_vs_best"]["ttft_p50"]["verdict"] == "push better"
+
+
+def test_findings_name_the_cells_and_never_count_cannot_tell():
+    doc = {"config": MapConfig(model="m").__dict__,
+           "cells": [cell_summary(100, 150, 101), cell_summary(200, 150, 230, prefix="sessions"),
+                     cell_summary(100, 101, 100)]}
+    text = findings(doc)
+    assert "push better in 1 cell(s): full 512/32 50% none" in text
+    assert "pull better in 1: full 512/32 50% sessions" in text and "cannot tell in 1." in text
+    assert "worse beyond the interval in 1 of 3 cell(s): full 512/32 50% sessions" in text
+    table = markdown(doc)
+    assert table.count("\n") == 2 + 3 - 1 and "**push better**" in table and "push 20, local 10" in table
+
+
+def test_report_writes_png_and_replaces_the_readme_section(tmp_path: Path):
+    doc = {"config": {**MapConfig(model="m", command="python benchmarks/regime_map.py --quick").__dict__},
+           "elapsed_s": 600, "cells": [cell_summary(100, 150, 101), cell_summary(200, 150, 230, prefix="sessions")]}
+    path = tmp_path / "regime_map.json"
+    path.write_text(json.dumps(doc))
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n\nbefore\n\n{BEGIN}\nold text\n{END}\n\nafter\n")
+    text = report(path, readme, Path("docs/img/regime_map.png"))
+    body = readme.read_text()
+    assert "old text" not in body and body.startswith("# x\n\nbefore\n\n") and body.endswith("\n\nafter\n")
+    assert text in body and "python benchmarks/regime_map.py --quick" in text
+    assert (tmp_path / "docs/img/regime_map.png").read_bytes()[:4] == b"\x89PNG"
+    assert (tmp_path / "regime_map.md").read_text().strip() == text
+
+
+def test_prompts_per_run_follow_the_rate_within_bounds():
+    cfg = MapConfig(model="m", run_s=20, min_prompts=12, max_prompts=40)
+    assert [num_prompts(cfg, r) for r in (0.1, 1.0, 5.0)] == [12, 20, 40]
