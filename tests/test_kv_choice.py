@@ -7,7 +7,9 @@ import pytest
 
 from kvpush.server.kv_choice import (
     EXPLORE_EVERY,
+    EXPLORE_EVERY_LATER,
     PAIR_MIN_SAMPLES,
+    WELL_MEASURED,
     AutoRouter,
     CostModel,
     Decision,
@@ -145,6 +147,10 @@ def test_every_nth_decision_explores_the_least_measured_route():
     m.samples[Route.PUSH_LAYERWISE] = 0
     routes = [m.choose(decision(d_running=4)).route for _ in range(EXPLORE_EVERY * 3)]
     assert routes.count(Route.PUSH_LAYERWISE) == 3 and routes.count(Route.PUSH) == EXPLORE_EVERY * 3 - 3
+    m.samples = {**dict.fromkeys(Route, 50), Route.PULL: WELL_MEASURED}  # all measured: explore far less often
+    m.decisions = 0
+    routes = [m.choose(decision(d_running=4)).route for _ in range(EXPLORE_EVERY_LATER * 2)]
+    assert routes.count(Route.PULL) == 2 and routes.count(Route.PUSH) == EXPLORE_EVERY_LATER * 2 - 2
 
 
 def test_forced_and_local_only_choices():

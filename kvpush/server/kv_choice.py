@@ -25,8 +25,9 @@ Estimates and costs (seconds):
     remote r:  prefill(p_queue + tokens - p_prefix) + rest_r(tokens - d_prefix)
     local:     local(d_queue + tokens - d_prefix); its cost adds the stall it inflicts on D's running
                requests: local(tokens - d_prefix) x d_running x stall_weight
-Every EXPLORE_EVERY-th decision takes the route with the fewest samples instead (so a route that
-looks worse at first is still measured), unless the client named a route.
+Every EXPLORE_EVERY-th decision (every EXPLORE_EVERY_LATER-th once each route has WELL_MEASURED
+samples) takes the route with the fewest samples instead, so that a route that looks worse at first
+is still measured and the lines follow the load; a route the client named is never overridden.
 Not used: descriptor count (pull's READ cost grows with fragmented KV; on one host it stayed small).
 """
 
@@ -40,7 +41,9 @@ from enum import StrEnum
 CHARS_PER_UNIT = 64  # prefix tracking granularity of text prompts
 TRACKER_UNITS = 65536  # prefix chunks remembered per instance
 PAIR_MIN_SAMPLES = 8
-EXPLORE_EVERY = 20
+EXPLORE_EVERY = 20  # while some route has fewer than WELL_MEASURED samples
+EXPLORE_EVERY_LATER = 100
+WELL_MEASURED = 8
 PRIOR_TOKENS_PER_CHAR = 0.25
 
 
@@ -230,7 +233,9 @@ class CostModel:
         allowed = allowed or self.routes
         d.estimates_s = {r.value: self.estimate(r, d) for r in allowed}
         self.decisions += 1
-        if len(allowed) > 1 and self.decisions % EXPLORE_EVERY == 0:
+        least = min(self.samples[r] for r in allowed)
+        every = EXPLORE_EVERY if least < WELL_MEASURED else EXPLORE_EVERY_LATER
+        if len(allowed) > 1 and self.decisions % every == 0:
             d.route = min(allowed, key=lambda r: (self.samples[r], self.cost(r, d)))
         else:
             d.route = min(allowed, key=lambda r: self.cost(r, d))
