@@ -3,6 +3,7 @@
     python benchmarks/regime_map.py --quick                 # ~10 min: 512/32, loads 50/80%, no prefix / sessions
     python benchmarks/regime_map.py                         # the full grid (about an hour)
     sudo python benchmarks/regime_map.py --link-gbps 0.5    # and again with P and D over a 0.5 Gbit/s link
+    python benchmarks/regime_map.py --mixed --result-dir kvpush-results/auto_mixed   # auto's target workload
     python benchmarks/regime_map.py --report-only --readme README.md   # regenerate the README section
 
 Modes: colocated, pull, push, push-layerwise and auto (one deployment each, all up together; P and D
@@ -29,6 +30,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="checkpoint (default: the bench preset, made if missing)")
     ap.add_argument("--quick", action="store_true", help="the ~10-minute subset")
+    ap.add_argument("--mixed", action="store_true", help="one cell: auto's mixed workload at 70%% of capacity")
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     ap.add_argument("--link-gbps", type=float, default=None, help="also map over a rate-limited link (root)")
     ap.add_argument("--run-s", type=float, default=None, help="seconds of load per mode and cell")
@@ -39,7 +41,7 @@ def main() -> None:
     ap.add_argument("--report-only", action="store_true", help="only regenerate the report from the JSON")
     ap.add_argument("--readme", type=Path, default=None, help="also rewrite this README's generated section")
     args = ap.parse_args()
-    grid = "quick" if args.quick else "full"
+    grid = "mixed" if args.mixed else "quick" if args.quick else "full"
     assert grid in GRIDS
     path = Path(args.result_dir) / "regime_map.json"
     if not args.report_only:

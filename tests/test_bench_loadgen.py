@@ -278,6 +278,16 @@ def test_session_samples_extend_the_previous_turn_round_robin():
         session_samples(3, 5, 2, turns=0)
 
 
+def test_mixed_samples_interleave_short_long_and_sessions():
+    from kvpush.bench.datasets import mixed_samples
+
+    samples = mixed_samples(12, 16, 4, turns=2, turn_len=3, vocab_size=50, seed=1)
+    assert [s.prompt_len for s in samples[:3]] == [4, 32, 16]
+    sessions = samples[2::3]  # two sessions of two turns: the second turn of the first extends it
+    assert sessions[2].prompt[:16] == sessions[0].prompt and sessions[2].prompt_len == 16 + 4 + 3
+    assert len(mixed_samples(7, 16, 4)) == 7
+
+
 def test_sharegpt_and_file_samples(tmp_path: Path):
     convs = [
         {"conversations": [{"from": "human", "value": "a" * 40}, {"from": "gpt", "value": "b" * 80}]},

@@ -37,6 +37,7 @@ from kvpush.bench.datasets import (
     DatasetError,
     Sample,
     file_samples,
+    mixed_samples,
     random_samples,
     session_samples,
     sharegpt_samples,
@@ -121,8 +122,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     add("--api-key", default=None, help="sent as a bearer token; never written to results")
     add("--result-dir", default=DEFAULT_RESULT_DIR, help="where the run JSON files go")
     add("--mode-label", default="other", help="label stored as config.mode (push, pull, colocated...)")
-    add("--dataset", choices=("random", "sessions", "sharegpt", "file"), default="random",
-        help="sessions: multi-turn token-id prompts, each turn extending the previous (--session-turns, --turn-len)")
+    add("--dataset", choices=("random", "sessions", "mixed", "sharegpt", "file"), default="random",
+        help="sessions: multi-turn token-id prompts, each turn extending the previous (--session-turns, "
+        "--turn-len); mixed: short (input-len/4), long (input-len x 2) and session prompts, a third each")
     add("--dataset-path", default=None, help="ShareGPT JSON or prompt file (one per line)")
     add("--input-len", type=_positive_int, default=DEFAULT_INPUT_LEN, help="random: tokens after the prefix")
     add("--output-len", type=_positive_int, default=None,
@@ -171,10 +173,10 @@ def build_samples(args: argparse.Namespace, count: int, seed: int) -> list[Sampl
             prefix_len=args.prefix_len, vocab_size=args.vocab_size, avoid_ids=args.avoid_token_ids,
             seed=seed,
         )
-    if args.dataset == "sessions":
-        return session_samples(count, args.input_len, output_len or DEFAULT_OUTPUT_LEN, turns=args.session_turns,
-                               turn_len=args.turn_len, vocab_size=args.vocab_size, avoid_ids=args.avoid_token_ids,
-                               seed=seed)
+    if args.dataset in ("sessions", "mixed"):
+        make = session_samples if args.dataset == "sessions" else mixed_samples
+        return make(count, args.input_len, output_len or DEFAULT_OUTPUT_LEN, turns=args.session_turns,
+                    turn_len=args.turn_len, vocab_size=args.vocab_size, avoid_ids=args.avoid_token_ids, seed=seed)
     if not args.dataset_path:
         raise DatasetError(f"--dataset-path is required with --dataset {args.dataset}")
     if args.dataset == "sharegpt":
@@ -299,7 +301,7 @@ def summary_line(label: str, rate: float, m: BenchmarkMetrics) -> str:
 def _one_run(args: argparse.Namespace, k: int, rate: float, model: str) -> tuple[dict[str, Any], Path]:
     """Run the k-th rate of the sweep and write its JSON; raises DatasetError/BenchmarkAborted."""
     seed = args.seed + k
-    if args.dataset == "sessions":  # warm-ups outside the sessions: they must not pre-fill later turns' prefixes
+    if args.dataset in ("sessions", "mixed"):  # warm-ups outside the sessions: they must not pre-fill later turns' prefixes
         measured = build_samples(args, args.num_prompts, seed)
         warm = random_samples(args.num_warmups, args.input_len, args.output_len or DEFAULT_OUTPUT_LEN,
                               vocab_size=args.vocab_size, avoid_ids=args.avoid_token_ids,

@@ -141,6 +141,30 @@ def session_samples(
     return samples
 
 
+def mixed_samples(
+    num_prompts: int,
+    input_len: int,
+    output_len: int,
+    *,
+    turns: int = 4,
+    turn_len: int = 64,
+    vocab_size: int = 1000,
+    avoid_ids: Iterable[int] = (),
+    seed: int = 0,
+) -> list[Sample]:
+    """A mixed service: short prompts (input_len / 4), long ones (input_len x 2) and multi-turn sessions
+    (starting at input_len), a third each, interleaved (each session's turns stay in order)."""
+    third = -(-num_prompts // 3)
+    avoid = list(avoid_ids)
+    streams = [random_samples(third, max(1, input_len // 4), output_len, vocab_size=vocab_size, avoid_ids=avoid,
+                              seed=seed),
+               random_samples(third, input_len * 2, output_len, vocab_size=vocab_size, avoid_ids=avoid, seed=seed + 1),
+               session_samples(third, input_len, output_len, turns=turns, turn_len=turn_len, vocab_size=vocab_size,
+                               avoid_ids=avoid, seed=seed + 2)]
+    mixed = [s[i] for i in range(third) for s in streams]
+    return mixed[:num_prompts]
+
+
 def _check_random_args(
     num_prompts: int, input_len: int, output_len: int, range_ratio: float, prefix_len: int
 ) -> None:

@@ -7,7 +7,8 @@
        95% bootstrap intervals per cell) -> STOPPED (every process, also on error or Ctrl-C)
 
 Prefix "none" draws fresh random prompts; "sessions" sends multi-turn sessions (each turn extends
-the previous one, so D - or a colocated server - already holds most of the prompt). A run lasts
+the previous one, so D - or a colocated server - already holds most of the prompt); "mixed" a third
+each of short (length / 4), long (length x 2) and session prompts. A run lasts
 about `run_s` seconds (at least `min_prompts`, at most `max_prompts` requests). Ratios whose interval
 spans 1.0 are "cannot tell".
 """
@@ -37,6 +38,8 @@ GRIDS: dict[str, dict[str, tuple]] = {
     "full": {"input_lens": (128, 512, 2048), "output_lens": (32, 256), "loads": (0.25, 0.5, 0.8),
              "prefixes": ("none", "sessions")},
     "quick": {"input_lens": (512,), "output_lens": (32,), "loads": (0.5, 0.8), "prefixes": ("none", "sessions")},
+    # auto's target workload: short and long prompts and multi-turn sessions at ~70% of capacity
+    "mixed": {"input_lens": (512,), "output_lens": (32,), "loads": (0.7,), "prefixes": ("mixed",)},
 }
 
 
@@ -98,8 +101,8 @@ def run_cell(cfg: MapConfig, suite: SuiteConfig, fleet: Fleet, cell: Cell, rate:
         args = bench_args(suite, fleet.urls[mode], mode, rate, seed)
         args.num_prompts = num_prompts(cfg, rate)
         args.result_dir = os.path.join(cfg.result_dir, "runs", cell.link.replace(" ", "").replace("/", "_"))
-        if cell.prefix == "sessions":
-            args.dataset, args.session_turns, args.turn_len = "sessions", cfg.turns, cfg.turn_len
+        if cell.prefix in ("sessions", "mixed"):
+            args.dataset, args.session_turns, args.turn_len = cell.prefix, cfg.turns, cfg.turn_len
         before = _routes(fleet.urls[mode]) if mode == "auto" else None
         runs[mode], _ = bench_cli._one_run(args, 0, rate, cfg.model)
         if before is not None:
@@ -138,6 +141,9 @@ def summarize(cell: Cell, rate: float, runs: dict[str, dict], routes: dict[str, 
                                "ttft_p50": _ratio(ttft["auto"], ttft[best], p50, "auto", best),
                                "ttft_p99": _ratio(ttft["auto"], ttft[best], p99, "auto", best),
                                "tpot_p50": _ratio(tpot["auto"], tpot[best], p50, "auto", best)}
+        out["auto_vs_each"] = {m: {"ttft_p50": _ratio(ttft["auto"], ttft[m], p50, "auto", m),
+                                   "ttft_p99": _ratio(ttft["auto"], ttft[m], p99, "auto", m),
+                                   "tpot_p50": _ratio(tpot["auto"], tpot[m], p50, "auto", m)} for m in fixed}
     return out
 
 

@@ -76,6 +76,12 @@ def findings(doc: dict[str, Any]) -> str:
     out.append(f"- **auto vs the best fixed mode of each cell (TTFT p50)**: worse beyond the interval in "
                f"{len(worse)} of {n} cell(s){': ' + '; '.join(worse) if worse else ''}; better in {len(better)}"
                f"{': ' + '; '.join(better) if better else ''}.")
+    for c in cells:
+        each = c.get("auto_vs_each") or {}
+        if c["cell"]["prefix"] == "mixed" and each:
+            parts = [f"{m}: TTFT p99 {_ratio_text(r.get('ttft_p99'))}, TPOT p50 {_ratio_text(r.get('tpot_p50'))}"
+                     for m, r in each.items()]
+            out.append(f"- **auto vs each fixed mode on the mixed workload** ({c['name']}): " + "; ".join(parts) + ".")
     return "\n".join(out)
 
 
