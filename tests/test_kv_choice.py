@@ -8,7 +8,6 @@ import pytest
 from kvpush.server.kv_choice import (
     EXPLORE_EVERY,
     EXPLORE_EVERY_LATER,
-    PAIR_MIN_SAMPLES,
     WELL_MEASURED,
     AutoRouter,
     CostModel,
@@ -20,6 +19,7 @@ from kvpush.server.kv_choice import (
     Route,
     outcome,
 )
+from kvpush.server.kv_fit import RestModel
 
 BS = 8
 PAIR = ("http://p", "http://d")
@@ -131,15 +131,45 @@ def test_queue_on_prefill_counts():
     assert d.route is Route.LOCAL
 
 
-def test_cheapest_remote_route_is_learned_per_pair():
+def test_cheapest_remote_route_and_slow_pairs_are_learned():
     m = trained(rest_push=0.030, rest_pull=0.010)  # here pull's handover is the faster one
     assert m.choose(decision(d_running=8)).route is Route.PULL
-    other = ("http://p2", "http://d")
-    for _ in range(PAIR_MIN_SAMPLES):  # on another pair, push is fast
-        d = Decision(Route.PUSH, 512, 0, 0, 0, 0, 8, other)
-        m.observe(d, Outcome(0.21 + 0.002, 0.21, None, 512, 0))
-    d = Decision(Route.LOCAL, 512, 0, 0, 0, 0, 8, other)
-    assert m.choose(d).route is Route.PUSH, d.estimates_s
+    slow = ("http://p2", "http://d")  # a pair behind a slow link: every remote route takes 300 ms more
+    for _ in range(6):
+        for route, rest in ((Route.PUSH, 0.330), (Route.PULL, 0.310)):
+            m.observe(Decision(route, 512, 0, 0, 0, 0, 0, slow), Outcome(0.21 + rest, 0.21, None, 512, 0))
+    d = m.choose(Decision(Route.LOCAL, 512, 0, 0, 0, 0, 0, slow))
+    assert d.route is Route.LOCAL, d.estimates_s  # cheaper to prefill on D than to cross that link
+    assert d.estimates_s["pull"] == pytest.approx(0.21 + 0.31, abs=0.02)
+    assert m.choose(decision(d_running=1)).route is Route.PULL  # the fast pair keeps its answer
+
+
+def test_rest_model_moves_every_route_with_the_load():
+    """Measured side by side at low load, pull costs 10 ms more than push; then the load rises and
+    only push is measured: pull's estimate rises with it instead of staying at its old value."""
+    r = RestModel(("push", "push-layerwise", "pull"), {"pull": 0.004}, 0.004, 1e-5)
+    pair = ("p", "d")
+    for i in range(40):
+        x = 256.0 + 256 * (i % 3)
+        load = i % 2  # D idle or running one request
+        r.add(x, load, 0.010 + 0.005 * load + 1e-5 * x, "push", pair)
+        r.add(x, load, 0.020 + 0.005 * load + 1e-5 * x, "pull", pair)
+    assert r(512, 0, "pull", pair) - r(512, 0, "push", pair) == pytest.approx(0.010, abs=2e-3)
+    for i in range(60):  # D gets busy (8 running): only push is measured
+        x = 256.0 + 256 * (i % 3)
+        r.add(x, 8, 0.050 + 1e-5 * x, "push", pair)
+    assert r(512, 8, "push", pair) == pytest.approx(0.050 + 0.00512, abs=3e-3)
+    # pull stays ~10 ms above push at the new load (its old samples decay towards the prior 4 ms)
+    assert r(512, 8, "pull", pair) - r(512, 8, "push", pair) == pytest.approx(0.010, abs=4e-3)
+    assert r(512, 8, "push-layerwise", pair) == pytest.approx(r(512, 8, "push", pair), abs=3e-3)  # never measured
+
+
+def test_rest_model_one_prompt_length_keeps_the_prior_slope():
+    r = RestModel(("push", "pull"), {}, 0.0, 1e-5)
+    for _ in range(20):
+        r.add(512, 0, 0.02, "push", ("p", "d"))
+    assert r(512, 0, "push", ("p", "d")) == pytest.approx(0.02, abs=1e-4)
+    assert r(1024, 0, "push", ("p", "d")) == pytest.approx(0.02 + 512e-5, abs=1e-3)
 
 
 def test_every_nth_decision_explores_the_least_measured_route():

@@ -17,12 +17,15 @@ Signals (all free for the proxy; no extra round trip):
 Learned lines (Line: decayed least squares y = a + b x), from every finished request's trace:
     prefill             P's api_received -> prefill done        vs tokens P computed (+ its queue)
     local               D's api_received -> first token         vs tokens D computed (+ its queue)
-    rest[route, P, D]   TTFT - P's part, per remote route and (P, D) pair (per route until the pair
-                        has PAIR_MIN_SAMPLES samples)          vs tokens moved (prompt - D's prefix)
+    rest[route, P, D]   TTFT - P's part                       vs tokens moved (prompt - D's prefix):
+                        and the requests in flight on D: one fit over every remote route,
+                        a + b x + g d_running + c[route] + e[P, D] (kv_fit.RestModel), so that D's load
+                        moves every route's estimate at once and routes and pairs differ by what was
+                        measured of them
     (TTFT = proxy received -> D's leg sent on the proxy's clock + D's api_received -> first token on
     D's: no two clocks are subtracted from each other, so it holds across hosts.)
 Estimates and costs (seconds):
-    remote r:  prefill(p_queue + tokens - p_prefix) + rest_r(tokens - d_prefix)
+    remote r:  prefill(p_queue + tokens - p_prefix) + rest[r, P, D](tokens - d_prefix)
     local:     local(d_queue + tokens - d_prefix); its cost adds the stall it inflicts on D's running
                requests: local(tokens - d_prefix) x d_running x stall_weight
 Every EXPLORE_EVERY-th decision (every EXPLORE_EVERY_LATER-th once each route has WELL_MEASURED
@@ -38,9 +41,10 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from kvpush.server.kv_fit import Line, RestModel
+
 CHARS_PER_UNIT = 64  # prefix tracking granularity of text prompts
 TRACKER_UNITS = 65536  # prefix chunks remembered per instance
-PAIR_MIN_SAMPLES = 8
 EXPLORE_EVERY = 20  # while some route has fewer than WELL_MEASURED samples
 EXPLORE_EVERY_LATER = 100
 WELL_MEASURED = 8
@@ -56,35 +60,6 @@ class Route(StrEnum):
     @property
     def remote(self) -> bool:
         return self is not Route.LOCAL
-
-
-class Line:
-    """y = a + b x by least squares over samples whose weight halves every `half_life` samples;
-    before `min_samples` it answers its prior (a0, b0). The slope is kept >= 0."""
-
-    def __init__(self, a0: float, b0: float, half_life: float = 50.0, min_samples: int = 4) -> None:
-        self.a0, self.b0, self.min_samples = a0, b0, min_samples
-        self.decay = 0.5 ** (1.0 / half_life)
-        self.n = 0
-        self.w = self.sx = self.sy = self.sxx = self.sxy = 0.0
-
-    def add(self, x: float, y: float) -> None:
-        d = self.decay
-        self.w, self.sx, self.sy = self.w * d + 1, self.sx * d + x, self.sy * d + y
-        self.sxx, self.sxy = self.sxx * d + x * x, self.sxy * d + x * y
-        self.n += 1
-
-    def coefficients(self) -> tuple[float, float]:
-        if self.n < self.min_samples:
-            return self.a0, self.b0
-        mx, my = self.sx / self.w, self.sy / self.w
-        var = self.sxx / self.w - mx * mx
-        b = max((self.sxy / self.w - mx * my) / var, 0.0) if var > 1e-9 * max(mx * mx, 1.0) else self.b0
-        return max(my - b * mx, 0.0), b
-
-    def __call__(self, x: float) -> float:
-        a, b = self.coefficients()
-        return a + b * max(x, 0.0)
 
 
 @dataclass(frozen=True)
@@ -195,9 +170,8 @@ class CostModel:
         self.prefill = Line(0.005, 0.0004)
         self.local = Line(0.005, 0.0004)
         # Priors: push first (its handover is the shortest measured), layer-wise, then pull.
-        self.rest: dict[tuple[Route, tuple[str, str] | None], Line] = {
-            (Route.PUSH, None): Line(0.004, 1e-5), (Route.PUSH_LAYERWISE, None): Line(0.005, 1e-5),
-            (Route.PULL, None): Line(0.008, 1e-5)}
+        self.rest = RestModel((Route.PUSH.value, Route.PUSH_LAYERWISE.value, Route.PULL.value),
+                              {Route.PUSH_LAYERWISE.value: 0.001, Route.PULL.value: 0.004}, 0.004, 1e-5)
         self.decisions = 0
         self.samples: dict[Route, int] = {r: 0 for r in Route}
 
@@ -210,17 +184,14 @@ class CostModel:
             return float(units * key.unit_tokens)
         return units * CHARS_PER_UNIT * self.tokens_per_char
 
-    def rest_line(self, route: Route, pair: tuple[str, str]) -> Line:
-        line = self.rest.get((route, pair))
-        return line if line is not None and line.n >= PAIR_MIN_SAMPLES else self.rest[(route, None)]
-
     def local_line(self) -> Line:
         return self.local if self.local.n >= self.local.min_samples else self.prefill
 
     def estimate(self, route: Route, d: Decision) -> float:
         if route is Route.LOCAL:
             return self.local_line()(d.d_queue + d.tokens - d.d_prefix)
-        return self.prefill(d.p_queue + d.tokens - d.p_prefix) + self.rest_line(route, d.pair)(d.tokens - d.d_prefix)
+        return self.prefill(d.p_queue + d.tokens - d.p_prefix) + self.rest(d.tokens - d.d_prefix, d.d_running, route.value,
+                                                                         d.pair)
 
     def cost(self, route: Route, d: Decision) -> float:
         est = d.estimates_s[route.value]
@@ -257,9 +228,7 @@ class CostModel:
                 self.local.add(d.d_queue + moved, out.d_time_s)
         elif out.p_time_s is not None:
             self.prefill.add(d.p_queue + tokens - d.p_prefix, out.p_time_s)
-            rest = max(out.ttft_s - out.p_time_s, 0.0)
-            self.rest[(d.route, None)].add(moved, rest)
-            self.rest.setdefault((d.route, d.pair), Line(0.0, 0.0)).add(moved, rest)
+            self.rest.add(moved, d.d_running, max(out.ttft_s - out.p_time_s, 0.0), d.route.value, d.pair)
         est = d.estimates_s.get(d.route.value)
         return out.ttft_s / est if est and math.isfinite(est) and est > 0 else None
 
