@@ -47,10 +47,11 @@ def main() -> None:
     if not args.report_only:
         model = args.model or ensure_model(default_model_dir(), "bench")
         defaults = MapConfig(model=model)
+        run_s, max_prompts = {"quick": (12.0, 40), "mixed": (40.0, 120)}.get(grid, (defaults.run_s,
+                                                                                 defaults.max_prompts))
         cfg = MapConfig(model=model, grid=grid, modes=tuple(args.modes), link_gbps=args.link_gbps,
-                        run_s=args.run_s or (12.0 if args.quick else defaults.run_s),
-                        min_prompts=args.min_prompts or defaults.min_prompts,
-                        max_prompts=args.max_prompts or defaults.max_prompts,
+                        run_s=args.run_s or run_s, min_prompts=args.min_prompts or defaults.min_prompts,
+                        max_prompts=args.max_prompts or max_prompts,
                         result_dir=args.result_dir, pin=not args.no_pin,
                         command=" ".join(["python benchmarks/regime_map.py", *sys.argv[1:]]))
         path = run_map(cfg)

@@ -215,6 +215,8 @@ def add_proxy_arguments(p: argparse.ArgumentParser) -> None:
                    help="how often the proxy asks every instance for /v1/kv_info (health, draining, restarts)")
     p.add_argument("--auto-stall-weight", type=_non_negative_float, default=_default(ProxyConfig, "auto_stall_weight"),
                    help="--kv-mode auto: weight of the stall a local prefill on D inflicts on D's running requests")
+    p.add_argument("--auto-local-max-ms", type=_non_negative_float, default=_default(ProxyConfig, "auto_local_max_ms"),
+                   help="--kv-mode auto: D prefills a request itself only if that takes at most this long")
 
 
 def cmd_proxy(args: argparse.Namespace) -> int:
@@ -229,7 +231,8 @@ def cmd_proxy(args: argparse.Namespace) -> int:
     config = ProxyConfig(prefill_urls=tuple(args.prefill), decode_urls=tuple(args.decode), host=args.host,
                          port=args.port, kv_mode=KVMode(args.kv_mode), first_token=FirstToken(args.first_token),
                          policy=args.policy, api_key=args.api_key, instance_api_key=args.instance_api_key,
-                         probe_interval_s=args.probe_interval_s, auto_stall_weight=args.auto_stall_weight)
+                         probe_interval_s=args.probe_interval_s, auto_stall_weight=args.auto_stall_weight,
+                         auto_local_max_ms=args.auto_local_max_ms)
     asyncio.run(serve_proxy(config))
     return 0
 

@@ -222,6 +222,8 @@ class ProxyConfig:
     # --kv-mode auto: how much a local prefill's stall of D's running requests counts against it
     # (1.0: each running request's delay counts as much as this request's TTFT)
     auto_stall_weight: float = 1.0
+    # --kv-mode auto: D prefills locally only what it can prefill in this long (a tail guard)
+    auto_local_max_ms: float = 64.0
 
 
 def env_str(name: str, default: str | None = None) -> str | None:

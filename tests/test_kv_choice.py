@@ -96,8 +96,8 @@ def decision(tokens=512.0, d_prefix=0.0, p_prefix=0.0, d_running=0, p_queue=0.0,
     return Decision(Route.LOCAL, tokens, p_prefix, d_prefix, p_queue, d_queue, d_running, PAIR)
 
 
-def trained(local_s_per_token=0.0004, rest_push=0.010, rest_pull=0.025) -> CostModel:
-    m = CostModel()
+def trained(local_s_per_token=0.0004, rest_push=0.010, rest_pull=0.025, local_max_s=10.0) -> CostModel:
+    m = CostModel(local_max_s=local_max_s)
     for n in (128, 256, 512, 1024):
         d = decision(tokens=n)
         for route, rest in ((Route.PUSH, rest_push), (Route.PULL, rest_pull), (Route.PUSH_LAYERWISE, rest_push + 0.002)):
@@ -115,6 +115,14 @@ def test_idle_decode_without_prefix_prefills_locally_busy_one_does_not():
     busy = m.choose(decision(d_running=4))
     assert busy.route is Route.PUSH, busy.estimates_s  # 4 streams would each stall for the prefill
     assert busy.estimates_s["local"] < busy.estimates_s["push"]  # the estimate is TTFT; the cost adds the stall
+
+
+def test_local_only_below_its_prefill_time_cap():
+    m = trained(local_max_s=0.064)  # 0.4 ms per token: up to ~150 tokens
+    idle_long = m.choose(decision(tokens=512))
+    assert idle_long.route is Route.PUSH and "local" not in idle_long.estimates_s
+    assert m.choose(decision(tokens=512, d_prefix=448)).route is Route.LOCAL  # 64 new tokens
+    assert m.choose(Decision(Route.LOCAL, 512, 0, 0, 0, 0, 0, PAIR), (Route.LOCAL,)).route is Route.LOCAL  # all there is
 
 
 def test_prefix_on_decode_makes_local_cheap_even_when_busy():

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvpush.bench.regime import Cell, MapConfig, num_prompts, summarize
-from kvpush.bench.regime_report import BEGIN, END, findings, markdown, report
+from kvpush.bench.regime_report import findings, markdown, markers, report
 
 
 def run(ttfts_ms: list[float], tpot_ms: float = 10.0, out: int = 9) -> dict:
@@ -59,12 +59,13 @@ def test_report_writes_png_and_replaces_the_readme_section(tmp_path: Path):
     path = tmp_path / "regime_map.json"
     path.write_text(json.dumps(doc))
     readme = tmp_path / "README.md"
-    readme.write_text(f"# x\n\nbefore\n\n{BEGIN}\nold text\n{END}\n\nafter\n")
+    begin, end = markers("quick")
+    readme.write_text(f"# x\n\nbefore\n\n{begin}\nold text\n{end}\n\nafter\n")
     text = report(path, readme, Path("docs/img/regime_map.png"))
     body = readme.read_text()
     assert "old text" not in body and body.startswith("# x\n\nbefore\n\n") and body.endswith("\n\nafter\n")
     assert text in body and "python benchmarks/regime_map.py --quick" in text
-    assert (tmp_path / "docs/img/regime_map.png").read_bytes()[:4] == b"\x89PNG"
+    assert (tmp_path / "docs/img/regime_map_quick.png").read_bytes()[:4] == b"\x89PNG"
     assert (tmp_path / "regime_map.md").read_text().strip() == text
 
 

@@ -12,7 +12,10 @@ import math
 from pathlib import Path
 from typing import Any
 
-BEGIN, END = "<!-- regime-map:begin -->", "<!-- regime-map:end -->"
+
+def markers(grid: str) -> tuple[str, str]:
+    """The README lines around one grid's generated section (each grid has its own)."""
+    return f"<!-- regime-map:{grid}:begin -->", f"<!-- regime-map:{grid}:end -->"
 PANELS = (("push_vs_pull", "ttft_p50", "push/pull TTFT p50"), ("push_vs_pull", "ttft_p99", "push/pull TTFT p99"),
           ("push_vs_pull", "tpot_p50", "push/pull TPOT p50"), ("auto_vs_best", "ttft_p50", "auto/best fixed TTFT p50"))
 
@@ -126,8 +129,9 @@ def section(doc: dict[str, Any], png: str | None) -> str:
     cfg = doc["config"]
     command = cfg.get("command") or "benchmarks/regime_map.py"
     minutes = doc.get("elapsed_s", 0) / 60
+    begin, end = markers(cfg["grid"])
     return "\n".join([
-        BEGIN,
+        begin,
         f"Generated from `{command}` ({cfg['grid']} grid, {len(doc['cells'])} cells, {minutes:.0f} min, "
         f"{cfg['min_prompts']}-{cfg['max_prompts']} requests per mode and cell; loads are fractions of the "
         "slower of push and pull at full concurrency; 95% bootstrap intervals; **bold** = the interval excludes 1).",
@@ -136,16 +140,17 @@ def section(doc: dict[str, Any], png: str | None) -> str:
         "",
         *([f"![regime map]({png})", ""] if png else []),
         markdown(doc),
-        END,
+        end,
     ])
 
 
-def update_readme(readme: Path, text: str) -> None:
-    """Replace the generated section between the markers (appended at the end the first time)."""
+def update_readme(readme: Path, text: str, grid: str) -> None:
+    """Replace the grid's generated section between its markers (appended at the end the first time)."""
     body = readme.read_text()
-    if BEGIN in body and END in body:
-        head, rest = body.split(BEGIN, 1)
-        body = head + text + rest.split(END, 1)[1]
+    begin, end = markers(grid)
+    if begin in body and end in body:
+        head, rest = body.split(begin, 1)
+        body = head + text + rest.split(end, 1)[1]
     else:
         body = body.rstrip("\n") + "\n\n" + text + "\n"
     readme.write_text(body)
@@ -158,6 +163,7 @@ def report(path: Path, readme: Path | None = None, image: Path | None = None) ->
     png = heatmaps(doc, path.parent)
     link = str(png) if png else None
     if png is not None and readme is not None and image is not None:
+        image = image.with_name(f"regime_map_{doc['config']['grid']}.png")
         target = readme.parent / image
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_bytes(png.read_bytes())
@@ -165,5 +171,5 @@ def report(path: Path, readme: Path | None = None, image: Path | None = None) ->
     text = section(doc, link)
     (path.parent / "regime_map.md").write_text(text + "\n")
     if readme is not None:
-        update_readme(readme, text)
+        update_readme(readme, text, doc["config"]["grid"])
     return text

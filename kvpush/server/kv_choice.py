@@ -27,7 +27,9 @@ Learned lines (Line: decayed least squares y = a + b x), from every finished req
 Estimates and costs (seconds):
     remote r:  prefill(p_queue + tokens - p_prefix) + rest[r, P, D](tokens - d_prefix)
     local:     local(d_queue + tokens - d_prefix); its cost adds the stall it inflicts on D's running
-               requests: local(tokens - d_prefix) x d_running x stall_weight
+               requests: local(tokens - d_prefix) x d_running x stall_weight. Local is not considered
+               at all when that prefill would take longer than local_max_s (--auto-local-max-ms): the
+               tail guard, as a prefill that long also delays whoever arrives at D meanwhile
 Every EXPLORE_EVERY-th decision (every EXPLORE_EVERY_LATER-th once each route has WELL_MEASURED
 samples) takes the route with the fewest samples instead, so that a route that looks worse at first
 is still measured and the lines follow the load; a route the client named is never overridden.
@@ -163,9 +165,11 @@ class Outcome:
 
 
 class CostModel:
-    def __init__(self, routes: tuple[Route, ...] = tuple(Route), stall_weight: float = 1.0) -> None:
+    def __init__(self, routes: tuple[Route, ...] = tuple(Route), stall_weight: float = 1.0,
+                 local_max_s: float = 0.064) -> None:
         self.routes = routes
         self.stall_weight = stall_weight
+        self.local_max_s = local_max_s
         self.tokens_per_char = PRIOR_TOKENS_PER_CHAR
         self.prefill = Line(0.005, 0.0004)
         self.local = Line(0.005, 0.0004)
@@ -200,8 +204,12 @@ class CostModel:
         return est
 
     def choose(self, d: Decision, allowed: tuple[Route, ...] | None = None) -> Decision:
-        """Fill in the estimates of every allowed route and pick the cheapest (or explore)."""
+        """Fill in the estimates of every allowed route and pick the cheapest (or explore). Local is
+        left out when D's prefill of the uncached part would take longer than local_max_s (it would
+        stall every request on D, and those arriving during it, that long) unless it is all there is."""
         allowed = allowed or self.routes
+        if len(allowed) > 1 and self.local_line()(d.tokens - d.d_prefix) > self.local_max_s:
+            allowed = tuple(r for r in allowed if r is not Route.LOCAL)
         d.estimates_s = {r.value: self.estimate(r, d) for r in allowed}
         self.decisions += 1
         least = min(self.samples[r] for r in allowed)
@@ -255,8 +263,8 @@ class AutoRouter:
     """The proxy's side of --kv-mode auto: decides, keeps the per-instance prefix trackers and queued
     prefill tokens, and learns from answers. Instances are named by URL."""
 
-    def __init__(self, stall_weight: float = 1.0) -> None:
-        self.model = CostModel(stall_weight=stall_weight)
+    def __init__(self, stall_weight: float = 1.0, local_max_s: float = 0.064) -> None:
+        self.model = CostModel(stall_weight=stall_weight, local_max_s=local_max_s)
         self.trackers: dict[str, PrefixTracker] = {}
         self.queued: dict[str, float] = {}  # url -> prompt tokens still to prefill there
 
