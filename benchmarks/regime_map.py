@@ -10,8 +10,9 @@ Modes: colocated, pull, push, push-layerwise and auto (one deployment each, all 
 pinned to separate halves of the cores). Grid: prompt length x output length x load (a fraction of
 the slower of push and pull at full concurrency, measured per length pair) x prefix (fresh prompts,
 or multi-turn sessions whose earlier turns D already holds) [x link]. Per cell every mode runs on
-the same prompts in an order that rotates from cell to cell. Writes regime_map.json (updated after
-every cell), regime_map.md and regime_map.png under --result-dir.
+the same prompts, --repeats times (quick and mixed: 2, full: 1) with the order of the modes
+rotating, requests pooled. Writes regime_map.json (updated after every cell), regime_map.md and
+regime_map.png under --result-dir.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ def main() -> None:
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     ap.add_argument("--link-gbps", type=float, default=None, help="also map over a rate-limited link (root)")
     ap.add_argument("--run-s", type=float, default=None, help="seconds of load per mode and cell")
+    ap.add_argument("--repeats", type=int, default=None,
+                    help="runs per mode and cell, the order rotating, pooled (default: 2; full grid 1)")
     ap.add_argument("--min-prompts", type=int, default=None)
     ap.add_argument("--max-prompts", type=int, default=None)
     ap.add_argument("--result-dir", default="kvpush-results/regime_map")
@@ -47,12 +50,12 @@ def main() -> None:
     if not args.report_only:
         model = args.model or ensure_model(default_model_dir(), "bench")
         defaults = MapConfig(model=model)
-        run_s, max_prompts = {"quick": (12.0, 40), "mixed": (40.0, 120)}.get(grid, (defaults.run_s,
+        run_s, max_prompts = {"quick": (8.0, 40), "mixed": (30.0, 120)}.get(grid, (defaults.run_s,
                                                                                  defaults.max_prompts))
         cfg = MapConfig(model=model, grid=grid, modes=tuple(args.modes), link_gbps=args.link_gbps,
                         run_s=args.run_s or run_s, min_prompts=args.min_prompts or defaults.min_prompts,
                         max_prompts=args.max_prompts or max_prompts,
-                        result_dir=args.result_dir, pin=not args.no_pin,
+                        result_dir=args.result_dir, pin=not args.no_pin, repeats=args.repeats or (1 if grid == "full" else 2),
                         command=" ".join(["python benchmarks/regime_map.py", *sys.argv[1:]]))
         path = run_map(cfg)
     print(report(path, args.readme, Path("docs/img/regime_map.png") if args.readme else None))

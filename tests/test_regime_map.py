@@ -24,14 +24,16 @@ def spread(center: float, n: int = 30) -> list[float]:
 
 
 def cell_summary(push: float, pull: float, auto: float, layerwise: float = 500.0, prefix: str = "none") -> dict:
-    runs = {"colocated": run(spread(90)), "pull": run(spread(pull)), "push": run(spread(push)),
-            "push-layerwise": run(spread(layerwise)), "auto": run(spread(auto))}
+    runs = {"colocated": [run(spread(90))], "pull": [run(spread(pull))], "push": [run(spread(push)[:15]),
+                                                                              run(spread(push)[15:])],
+            "push-layerwise": [run(spread(layerwise))], "auto": [run(spread(auto))]}
     return summarize(Cell("full", 512, 32, 0.5, prefix), 1.2, runs, {"push": 20, "local": 10})
 
 
 def test_summary_percentiles_and_ratios():
     s = cell_summary(push=100, pull=150, auto=101)
     assert s["modes"]["pull"]["ttft_p50_ms"] == pytest.approx(150)
+    assert s["modes"]["push"]["runs"] == 2 and s["modes"]["push"]["completed"] == 30  # two runs pooled
     assert s["modes"]["push"]["tpot_p50_ms"] == pytest.approx(10)
     r = s["push_vs_pull"]["ttft_p50"]
     assert r["ratio"] == pytest.approx(100 / 150) and r["verdict"] == "push better" and r["hi"] < 1

@@ -53,6 +53,7 @@ class MapConfig:
     min_prompts: int = 12
     max_prompts: int = 40
     capacity_prompts: int = 16
+    repeats: int = 1  # per cell: every mode this many times, the order rotating, requests pooled
     turns: int = 4
     turn_len: int = 64
     seed: int = 0
@@ -91,24 +92,33 @@ def _routes(url: str) -> dict[str, float]:
 
 
 def run_cell(cfg: MapConfig, suite: SuiteConfig, fleet: Fleet, cell: Cell, rate: float, index: int) -> dict[str, Any]:
-    """Every mode on the same prompts at `rate`, in an order that rotates from cell to cell."""
+    """Every mode on the same prompts at `rate`, cfg.repeats times, in an order that rotates from
+    repeat to repeat and cell to cell (each repeat draws fresh prompts); requests pooled per mode."""
     modes = [m for m in cfg.modes if m in fleet.urls]
-    order = modes[index % len(modes):] + modes[: index % len(modes)]
-    seed = cfg.seed + 1000 * index
-    runs: dict[str, dict] = {}
-    routes: dict[str, float] = {}
-    for mode in order:
-        args = bench_args(suite, fleet.urls[mode], mode, rate, seed)
-        args.num_prompts = num_prompts(cfg, rate)
-        args.result_dir = os.path.join(cfg.result_dir, "runs", cell.link.replace(" ", "").replace("/", "_"))
-        if cell.prefix in ("sessions", "mixed"):
-            args.dataset, args.session_turns, args.turn_len = cell.prefix, cfg.turns, cfg.turn_len
-        before = _routes(fleet.urls[mode]) if mode == "auto" else None
-        runs[mode], _ = bench_cli._one_run(args, 0, rate, cfg.model)
-        if before is not None:
-            after = _routes(fleet.urls[mode])
-            routes = {r: after[r] - before[r] for r in ROUTES}
+    runs: dict[str, list[dict]] = {m: [] for m in modes}
+    routes = dict.fromkeys(ROUTES, 0.0)
+    for rep in range(cfg.repeats):
+        k = (index + rep) % len(modes)
+        for mode in modes[k:] + modes[:k]:
+            doc, moved = _run_mode(cfg, suite, fleet, cell, rate, mode, cfg.seed + 1000 * index + rep)
+            runs[mode].append(doc)
+            for r, n in moved.items():
+                routes[r] += n
     return summarize(cell, rate, runs, routes)
+
+
+def _run_mode(cfg: MapConfig, suite: SuiteConfig, fleet: Fleet, cell: Cell, rate: float, mode: str,
+              seed: int) -> tuple[dict, dict[str, float]]:
+    """One mode's run; for auto also the routes its proxy chose meanwhile."""
+    args = bench_args(suite, fleet.urls[mode], mode, rate, seed)
+    args.num_prompts = num_prompts(cfg, rate)
+    args.result_dir = os.path.join(cfg.result_dir, "runs", cell.link.replace(" ", "").replace("/", "_"))
+    if cell.prefix in ("sessions", "mixed"):
+        args.dataset, args.session_turns, args.turn_len = cell.prefix, cfg.turns, cfg.turn_len
+    before = _routes(fleet.urls[mode]) if mode == "auto" else None
+    doc, _ = bench_cli._one_run(args, 0, rate, cfg.model)
+    after = _routes(fleet.urls[mode]) if before is not None else None
+    return doc, ({r: after[r] - before[r] for r in ROUTES} if after and before else {})
 
 
 def _pct(values: list[float], stat: Stat) -> float | None:
@@ -122,13 +132,16 @@ def _ratio(a: list[float], b: list[float], stat: Stat, a_name: str, b_name: str)
     return {"ratio": est, "lo": lo, "hi": hi, "verdict": verdict(lo, hi, a_name, b_name), "text": fmt_ci(est, lo, hi)}
 
 
-def summarize(cell: Cell, rate: float, runs: dict[str, dict], routes: dict[str, float]) -> dict[str, Any]:
-    """Per mode: requests, failures, TTFT p50/p99, TPOT p50 (ms); push/pull and auto/best-fixed ratios."""
-    ttft = {m: request_values([doc], "ttft") for m, doc in runs.items()}
-    tpot = {m: request_values([doc], "tpot") for m, doc in runs.items()}
-    modes = {m: {"completed": int(doc["metrics"].get("completed", 0)), "failed": int(doc["metrics"].get("failed", 0)),
+def summarize(cell: Cell, rate: float, runs: dict[str, list[dict]], routes: dict[str, float]) -> dict[str, Any]:
+    """Per mode (requests of its runs pooled): requests, failures, TTFT p50/p99, TPOT p50 (ms);
+    push/pull, auto/best-fixed and auto/each-fixed ratios."""
+    runs = {m: docs for m, docs in runs.items() if docs}
+    ttft = {m: request_values(docs, "ttft") for m, docs in runs.items()}
+    tpot = {m: request_values(docs, "tpot") for m, docs in runs.items()}
+    modes = {m: {"runs": len(docs), "completed": sum(int(d["metrics"].get("completed", 0)) for d in docs),
+                 "failed": sum(int(d["metrics"].get("failed", 0)) for d in docs),
                  "ttft_p50_ms": _pct(ttft[m], p50), "ttft_p99_ms": _pct(ttft[m], p99),
-                 "tpot_p50_ms": _pct(tpot[m], p50)} for m, doc in runs.items()}
+                 "tpot_p50_ms": _pct(tpot[m], p50)} for m, docs in runs.items()}
     out: dict[str, Any] = {"cell": asdict(cell), "name": cell.name, "rate": rate, "modes": modes, "routes": routes}
     if "push" in runs and "pull" in runs:
         out["push_vs_pull"] = {"ttft_p50": _ratio(ttft["push"], ttft["pull"], p50, "push", "pull"),

@@ -133,7 +133,8 @@ def section(doc: dict[str, Any], png: str | None) -> str:
     return "\n".join([
         begin,
         f"Generated from `{command}` ({cfg['grid']} grid, {len(doc['cells'])} cells, {minutes:.0f} min, "
-        f"{cfg['min_prompts']}-{cfg['max_prompts']} requests per mode and cell; loads are fractions of the "
+        f"{cfg.get('repeats', 1)} run(s) of {cfg['min_prompts']}-{cfg['max_prompts']} requests per mode and cell, "
+        "pooled, the order of the modes rotating; loads are fractions of the "
         "slower of push and pull at full concurrency; 95% bootstrap intervals; **bold** = the interval excludes 1).",
         "",
         findings(doc),
