@@ -225,3 +225,35 @@ def test_outcome_reads_one_clock_per_span_and_ignores_garbage():
     bad = outcome({"proxy_received": "x", "first_token": 1.0, "api_received": 2.0}, {"tokens": "7"})
     assert (bad.ttft_s, bad.d_time_s, bad.prompt_tokens) == (None, None, None)
     assert outcome(None, None).ttft_s is None
+
+
+def test_one_prompt_in_a_list_counts_like_the_prompt():
+    text_key = PromptKey.of({"prompt": ["word " * 100]}, BS)
+    assert text_key.chars == 500 and text_key.hashes == PromptKey.of({"prompt": "word " * 100}, BS).hashes
+    ids_key = PromptKey.of({"prompt": [ids(3 * BS)]}, BS)
+    assert ids_key.exact_tokens == 3 * BS and len(ids_key.hashes) == 3
+
+
+def test_queue_release_is_idempotent_and_reroutes_move_the_pair():
+    r = AutoRouter()
+    d = r.decide({"prompt": ids(40)}, "http://p", "http://d", 0, BS, forced=Route.PULL)
+    r.dispatched(d)
+    r.prefilled(d)
+    r.prefilled(d)  # a timer and the answer may both say so
+    assert r.queued["http://p"] == 0
+    other = r.decide({"prompt": ids(40, seed=2)}, "http://p", "http://d", 0, BS, forced=Route.PULL)
+    r.dispatched(other)
+    r.prefilled(d)
+    assert r.queued["http://p"] == 40  # the other request's tokens are still queued
+    r.rerouted(other, "http://d2")
+    assert other.pair == ("http://p", "http://d2")
+    assert r.decide({"prompt": ids(40, seed=2)}, "http://p", "http://d2", 0, BS).d_prefix == 40
+
+
+def test_an_answer_recomputed_after_a_failed_transfer_teaches_nothing():
+    r = AutoRouter()
+    d = r.decide({"prompt": ids(40)}, "http://p", "http://d", 0, BS, forced=Route.PUSH)
+    trace = {"proxy_received": 1.0, "d_leg_sent": 1.001, "api_received": 5.0, "first_token": 9.0,
+             "p_api_received": 2.0, "p_prefill_done": 2.1, "kv_fallback_local": 8.0}
+    assert r.finished(d, trace, {"tokens": 40, "cached_tokens": 0}) is None
+    assert r.model.samples[Route.PUSH] == 0 and r.model.rest.n == 0

@@ -27,6 +27,9 @@ class Fake:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.hits = 0  # completions received
+        self.shed = False  # answer 429 with Retry-After (no capacity)
+        self.plain = 0  # completions received without kv_transfer_params (an auto proxy's local route)
+        self.leg_delay_s = 0.0  # D: how long a leg with kv_transfer_params takes to answer
         self.runner: web.AppRunner | None = None
 
     async def start(self) -> Fake:
@@ -48,6 +51,13 @@ class Fake:
         body = await request.json()
         if self.draining:
             return R.error_response(503, "this instance is draining", code="draining")
+        if self.shed:
+            resp = R.error_response(429, "no capacity")
+            resp.headers["Retry-After"] = "1"
+            return resp
+        self.plain += "kv_transfer_params" not in body
+        if self.role == "decode" and "kv_transfer_params" in body:
+            await asyncio.sleep(self.leg_delay_s)
         if self.role == "decode":
             return web.json_response({"choices": [{"index": 0, "text": f"from {self.port}", "finish_reason": "length"}]})
         leg = body["kv_transfer_params"]
@@ -155,3 +165,40 @@ def test_probe_interval_must_be_a_positive_number(value, capsys):
     with pytest.raises(SystemExit):
         main(["proxy", "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2", "--probe-interval-s", value])
     assert "--probe-interval-s: must be a number above 0" in capsys.readouterr().err
+
+
+def test_auto_serves_locally_when_the_only_prefill_sheds_or_is_gone():
+    """--kv-mode auto: the last P answering 429 is not the client's problem while D can prefill; a
+    proxy with no P at all is still ready and serves every request from D."""
+
+    async def main():
+        p, d = Fake("prefill", "auto"), Fake("decode", "auto")
+        proxy, runner, url, prefills = await deploy("auto", [d], [p])
+        try:
+            p.shed, d.leg_delay_s = True, 1.0  # push: P's 429 comes before D's answer
+            async with ClientSession() as s:
+                body = {"prompt": list(range(2000)), "max_tokens": 2}  # too long for local by choice
+                async with s.post(url + "/v1/completions", json=body) as r:
+                    out = json.loads(await r.read())
+                    assert r.status == 200, out
+            assert out["choices"][0]["text"] == f"from {d.port}" and p.hits == 1 and d.plain == 1
+            assert proxy.metrics.routes.labels(route="local")._value.get() == 1
+            async with ClientSession() as s:  # a route the client names is not replaced
+                async with s.post(url + "/v1/completions", json=body, headers={"X-KVPush-KV-Mode": "push"}) as r:
+                    assert r.status == 429 and r.headers["Retry-After"] == "1"
+        finally:
+            await teardown(proxy, runner, [*prefills, d])
+        gone, d2 = Fake("prefill", "auto"), Fake("decode", "auto")
+        proxy, runner, url, _ = await deploy("auto", [d2], [gone])
+        try:
+            await gone.stop()  # P is gone: the next probe marks it unhealthy
+            await proxy.probe_all()
+            assert not proxy.prefills[0].healthy
+            async with ClientSession() as s:
+                async with s.get(url + "/health") as r:
+                    assert r.status == 200
+            assert await ask(url, 2) == [(200, f"from {d2.port}")] * 2 and d2.plain == 2
+        finally:
+            await teardown(proxy, runner, [d2])
+
+    asyncio.run(main())

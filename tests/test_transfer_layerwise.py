@@ -10,9 +10,11 @@ import torch
 from test_transfer_worker import (
     BS,
     D_BLOCKS,
+    D_ENGINE,
     NB,
     NL,
     P_BLOCKS,
+    P_ENGINE,
     Cluster,
     hold,
     make_pair,
@@ -23,7 +25,7 @@ from test_transfer_worker import (
 )
 
 from kvpush.transfer import protocol as pr
-from kvpush.transfer.commands import LayersDone
+from kvpush.transfer.commands import Cancel, LayersDone
 from kvpush.transfer.events import FreeBlocks, KVFailed, KVReady
 from kvpush.transfer.fake import FakeAgent, FakeFabric
 from kvpush.transfer.layerwise import LayerwiseWriter
@@ -145,3 +147,46 @@ def test_layerwise_write_failure_fails_d_after_the_writes_ended(cluster):
     quiesce(p, d)
     assert d.events.of(KVReady, tid) == [] and not p.agent.in_flight()
     assert p.events.freed() == [sorted(P_BLOCKS)]
+
+
+def test_abort_while_layer_writes_are_in_flight_is_acked_after_they_end(cluster):
+    """D's Abort must not be answered "nothing in flight" while a layer write can still land in D's
+    blocks: D would hand them to another request."""
+    p, d = make_pair(cluster, layerwise=True)
+    assert p.worker is not None and d.worker is not None
+    tid = pr.new_transfer_id()
+    p.agent.delay_completion_polls = 10**9
+    d.worker.submit(register(tid, D_BLOCKS))
+    wait_until(lambda: rec_state(p, tid) is S.REGISTERED, what="P sees the PushReg")
+    p.worker.submit(layers_done(tid)[0])
+    wait_until(p.agent.in_flight, what="layer 0 written")
+    d.worker.submit(Cancel(tid, "decode aborted", P_ENGINE))
+    d.events.wait(KVFailed, tid)
+    wait_until(lambda: rec_state(p, tid) is S.FAILED, what="P applies the Abort")
+    for cmd in layers_done(tid)[1:]:  # the prefill goes on: nothing more is written for it
+        p.worker.submit(cmd)
+    quiesce(p, d)
+    assert d.events.of(FreeBlocks) == []  # quarantined: the write in flight may still land
+    assert len(p.agent.in_flight()) == 1
+    p.agent.finish_delayed()
+    d.events.wait(FreeBlocks)  # P's Fail came once the write ended
+    p.worker.submit(hold(tid, P_BLOCKS))
+    p.events.wait(FreeBlocks)
+    quiesce(p, d)
+    assert d.events.freed() == [sorted(D_BLOCKS)] and p.events.freed() == [sorted(P_BLOCKS)]
+    assert p.agent.stats.transfers_posted == 1 and not p.worker.side.layerwise.transfers
+
+
+def test_layers_of_an_ended_transfer_are_never_written(cluster):
+    p, d = make_pair(cluster, layerwise=True)
+    assert p.worker is not None and d.worker is not None
+    tid = pr.new_transfer_id()
+    d.worker.submit(register(tid, D_BLOCKS))
+    wait_until(lambda: rec_state(p, tid) is S.REGISTERED, what="P sees the PushReg")
+    d.worker.submit(Cancel(tid, "decode aborted", P_ENGINE))
+    d.events.wait(FreeBlocks)  # acked at once: nothing was in flight
+    for cmd in layers_done(tid):
+        p.worker.submit(cmd)
+    p.worker.submit(Cancel(tid, "prefill finished_aborted", D_ENGINE))
+    quiesce(p, d)
+    assert p.agent.stats.transfers_posted == 0 and not p.worker.side.layerwise.transfers

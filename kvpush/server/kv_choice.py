@@ -77,6 +77,8 @@ class PromptKey:
     @classmethod
     def of(cls, body: dict, block_size: int) -> PromptKey:
         prompt = body.get("prompt") if "messages" not in body else None
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # one prompt in a list (several are split by the proxy before this)
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
             units = [repr(prompt[i : i + block_size]) for i in range(0, len(prompt) - block_size + 1, block_size)]
             return cls(_chain(units), block_size, 0, len(prompt))
@@ -145,6 +147,7 @@ class Decision:
     estimates_s: dict[str, float] = field(default_factory=dict)
     forced: bool = False
     key: PromptKey | None = None
+    prefilled: bool = False  # its tokens have left the prefill queue they were counted in
 
     def to_json(self) -> dict:
         """What the request's answer says about it (`kvpush_route`)."""
@@ -300,11 +303,24 @@ class AutoRouter:
                 self.tracker(p_url).record(d.key)
 
     def prefilled(self, d: Decision) -> None:
-        """P answered (remote) or D's first token exists (local), or the leg failed: not queued."""
+        """P answered (remote) or D's first token exists (local), or the leg failed: not queued.
+        Idempotent: a decision's tokens leave the queue once."""
+        if d.prefilled:
+            return
+        d.prefilled = True
         url = d.pair[0] if d.route.remote else d.pair[1]
         left = self.queued.get(url, 0.0) - d.tokens
         self.queued[url] = left if left > 1e-6 else 0.0
 
+    def rerouted(self, d: Decision, d_url: str) -> None:
+        """Pull: D refused the leg and another D takes it: learn and track for that one."""
+        d.pair = (d.pair[0], d_url)
+        if d.key is not None:
+            self.tracker(d_url).record(d.key)
+
     def finished(self, d: Decision, trace: dict | None, prompt: dict | None) -> float | None:
-        """Learn from the answer; measured / estimated TTFT, or None."""
+        """Learn from the answer; measured / estimated TTFT, or None. An answer D recomputed after a
+        failed transfer (kv_fallback_local) teaches nothing about its route."""
+        if isinstance(trace, dict) and "kv_fallback_local" in trace:
+            return None
         return self.model.observe(d, outcome(trace, prompt))

@@ -92,6 +92,12 @@ class Proxy(InstancePool):
             self._prober.cancel()
         if self.session is not None:
             await self.session.close()
+    def _ready(self) -> bool:
+        """Auto serves from D alone when no P is usable (local route): a usable D is enough."""
+        if self.auto is not None:
+            return any(i.usable for i in self.decodes)
+        return super()._ready()
+
     def restarted(self, inst: Instance) -> None:
         if self.auto is not None:
             self.auto.forget(inst.url)  # its prefix cache is empty
@@ -209,8 +215,12 @@ class Proxy(InstancePool):
                     raise e.error from None
             except LegError as e:
                 self.end_leg(d)
-                if not self._shed_elsewhere(e, tried if e.instance is d.prefill else tried_d):
+                if self._shed_elsewhere(e, tried if e.instance is d.prefill else tried_d):
+                    continue
+                if self.auto is None or forced is not None or d.prefill is None or e.instance is not d.prefill \
+                        or not e.shed:
                     raise
+                tried.add(d.prefill.url)  # auto: the last P sheds; D can still prefill it (local)
             except BaseException:
                 self.end_leg(d)
                 raise
@@ -266,10 +276,19 @@ class Proxy(InstancePool):
     # ---- the two flows -------------------------------------------------------------------
     async def _local(self, path: str, body: dict, d: Dispatch) -> aiohttp.ClientResponse:
         """Auto's local route: the request goes to D as it is; D prefills it (no P leg, no transfer)."""
-        resp = await self._open_decode(path, body, None, d)
-        d.trace["local_prefilled"] = time.time()
         assert self.auto is not None and d.decision is not None
-        self.auto.prefilled(d.decision)
+        auto, decision = self.auto, d.decision
+        if not body.get("stream"):  # D answers when the whole answer exists: count the prefill as done
+            # once it should be (its estimate), not when the answer arrives
+            timer = asyncio.get_running_loop().call_later(decision.estimates_s.get("local", 0.0),
+                                                          auto.prefilled, decision)
+        try:
+            resp = await self._open_decode(path, body, None, d)
+        finally:
+            if not body.get("stream"):
+                timer.cancel()
+        d.trace["local_prefilled"] = time.time()
+        auto.prefilled(decision)
         return resp
 
     async def _push(self, path: str, body: dict, d: Dispatch) -> aiohttp.ClientResponse:
@@ -310,6 +329,8 @@ class Proxy(InstancePool):
                 d.decode.in_flight -= 1
                 other.in_flight += 1
                 d.decode = other
+                if self.auto is not None and d.decision is not None:
+                    self.auto.rerouted(d.decision, other.url)
 
     def _decode_params(self, d: Dispatch, result: kp.PrefillResult | None) -> kp.DecodeLegParams:
         first = d.first_token

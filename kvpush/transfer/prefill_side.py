@@ -61,15 +61,19 @@ class PrefillSide:
     def _layers_done(self, cmd: LayersDone) -> None:
         assert self.layerwise is not None
         for tid, indices, block_ids in cmd.items:
+            rec = self.ledger.get(tid)
+            if rec is not None and rec.is_terminal:
+                continue  # ended (aborted, expired, D had it all): nothing more is written for it
             known = tid in self.layerwise.transfers
             self.layerwise.layers_done(tid, cmd.layer, indices, block_ids)
-            rec = self.ledger.get(tid)
             if not known and self.per_transfer and rec is not None:
                 self._update(rec)  # D registered before P knew this transfer goes layer by layer
             else:
                 self.layerwise.post_ready(tid)
 
     def _cancel(self, cmd: Cancel) -> None:
+        if self.layerwise is not None and not self.layerwise.in_flight(cmd.transfer_id):
+            self.layerwise.drop(cmd.transfer_id)  # the prefill stopped: no more layers come for it
         rec = self.ledger.get(cmd.transfer_id)
         if rec is None:  # aborted before D registered: answer its PushReg with Fail
             self.cancelled[cmd.transfer_id] = (cmd.reason, time.monotonic())
@@ -95,7 +99,7 @@ class PrefillSide:
             return
         if isinstance(msg, pr.PushReg):
             self.reg_times[tid] = time.time()
-        if isinstance(msg, pr.Abort) and tid not in self.posted:
+        if isinstance(msg, pr.Abort) and not self._posting(tid):
             self.peers.send(engine_id, pr.Fail.create(tid, "aborted by decode"))  # ack: nothing in flight
         self._update(rec)
 
@@ -184,10 +188,10 @@ class PrefillSide:
         if rec.is_terminal:
             if rec.has_local:
                 self._free(rec)
-                if rec.peer_engine_id:  # the failure was held back while layer writes were in flight
-                    self.peers.send(rec.peer_engine_id, pr.Fail.create(tid, rec.error or "layer writes ended"))
             else:
                 self.layerwise.drop(tid)
+            if rec.peer_engine_id and rec.state is not S.DONE:  # held back while layer writes were in flight
+                self.peers.send(rec.peer_engine_id, pr.Fail.create(tid, rec.error or "layer writes ended"))
         elif t.failed:
             self.fail(rec, t.failed)
         elif t.complete() and rec.state is S.POSTED:
@@ -214,6 +218,8 @@ class PrefillSide:
         self.reg_times.pop(rec.transfer_id, None)
         if self._posting(rec.transfer_id):
             return
+        if self.layerwise is not None:
+            self.layerwise.drop(rec.transfer_id)  # nothing in flight: no later layer is written either
         if rec.peer_engine_id:
             self.peers.send(rec.peer_engine_id, pr.Fail.create(rec.transfer_id, reason))
         if rec.has_local:
