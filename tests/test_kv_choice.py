@@ -257,3 +257,13 @@ def test_an_answer_recomputed_after_a_failed_transfer_teaches_nothing():
              "p_api_received": 2.0, "p_prefill_done": 2.1, "kv_fallback_local": 8.0}
     assert r.finished(d, trace, {"tokens": 40, "cached_tokens": 0}) is None
     assert r.model.samples[Route.PUSH] == 0 and r.model.rest.n == 0
+
+
+def test_local_is_tried_before_d_measured_it_when_the_uncached_part_is_short():
+    """P's line has a large intercept (its queue): D's first local estimates use only its slope, so
+    that a short uncached part can go local and D's own line starts to learn."""
+    m = CostModel(local_max_s=0.064)
+    for n in (128, 512, 1024, 2048):
+        m.observe(Decision(Route.PUSH, n, 0, 0, 0, 0, 0, PAIR), Outcome(0.3 + 0.0004 * n, 0.29 + 0.0004 * n, None, n, 0))
+    d = m.choose(decision(tokens=600, d_prefix=512))
+    assert d.route is Route.LOCAL and d.estimates_s["local"] == pytest.approx(88 * 0.0004, rel=0.05)

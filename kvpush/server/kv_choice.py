@@ -192,7 +192,11 @@ class CostModel:
         return units * CHARS_PER_UNIT * self.tokens_per_char
 
     def local_line(self) -> Line:
-        return self.local if self.local.n >= self.local.min_samples else self.prefill
+        """D's local prefill time; until D has measured a few, P's cost per token (the slope of P's
+        line: its intercept holds P's queueing, which says nothing about D)."""
+        if self.local.n >= self.local.min_samples:
+            return self.local
+        return Line(0.0, self.prefill.coefficients()[1])
 
     def estimate(self, route: Route, d: Decision) -> float:
         if route is Route.LOCAL:
