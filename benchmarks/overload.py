@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import shlex
 import sys
 from pathlib import Path
@@ -30,6 +29,7 @@ from pathlib import Path
 from kvpush.bench.datasets import random_samples
 from kvpush.bench.loadgen import LoadConfig, fetch_model, run_load
 from kvpush.bench.metrics import meets_slo, summarize, tpot_s
+from kvpush.bench.soak import process_figures
 from kvpush.bench.suite import Fleet, SuiteConfig
 from kvpush.config import default_model_dir
 from kvpush.demo import ensure_model
@@ -83,26 +83,7 @@ def measure_capacity(args: argparse.Namespace, url: str, model: str) -> float:
 
 def tree_rss_mb(pid: int) -> float:
     """Resident memory of a process and all its descendants, MiB."""
-    parents: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
-            except OSError:
-                continue
-    tree, frontier = {pid}, {pid}
-    while frontier:
-        frontier = {p for p, pp in parents.items() if pp in frontier} - tree
-        tree |= frontier
-    total_kb = 0
-    for p in tree:
-        try:
-            with open(f"/proc/{p}/status") as f:
-                total_kb += next((int(line.split()[1]) for line in f if line.startswith("VmRSS:")), 0)
-        except OSError:
-            continue
-    return total_kb / 1024
+    return process_figures(pid)["rss_mib"]
 
 
 def level(args: argparse.Namespace, url: str, model: str, load: float, capacity: float, seed: int) -> dict:
