@@ -125,7 +125,7 @@ async def one(session: aiohttp.ClientSession, url: str, sample: Sample, disconne
                 line = raw.decode().strip()
                 if not line.startswith("data: {"):
                     continue
-                if '"error"' in line:
+                if "error" in json.loads(line[6:]):  # an error event (not a token whose text is "error")
                     out.errors.append(line[:200])
                     return
                 if first:
