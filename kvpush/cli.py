@@ -9,6 +9,7 @@ import argparse
 import sys
 from dataclasses import fields
 
+from kvpush.argtypes import non_negative_float, positive_float
 from kvpush.config import (
     AdmissionConfig,
     CacheConfig,
@@ -92,28 +93,6 @@ def _positive(args: argparse.Namespace, *names: str) -> None:
     for name in names:
         if getattr(args, name) < 1:
             raise SystemExit(f"kvpush: --{name.replace('_', '-')} must be at least 1")
-
-
-def _positive_float(text: str) -> float:
-    """An argparse type: a number above 0 (argparse turns the error into a CLI message)."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a number above 0, got {text!r}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    """An argparse type: a finite number >= 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text!r}")
-    return value
 
 
 def add_server_arguments(p: argparse.ArgumentParser) -> None:
@@ -211,11 +190,11 @@ def add_proxy_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", default=_default(ProxyConfig, "policy"), choices=["round-robin", "least-loaded"])
     p.add_argument("--api-key", default=None, help="clients must send this Bearer token")
     p.add_argument("--instance-api-key", default=None, help="the Bearer token the instances expect")
-    p.add_argument("--probe-interval-s", type=_positive_float, default=_default(ProxyConfig, "probe_interval_s"),
+    p.add_argument("--probe-interval-s", type=positive_float, default=_default(ProxyConfig, "probe_interval_s"),
                    help="how often the proxy asks every instance for /v1/kv_info (health, draining, restarts)")
-    p.add_argument("--auto-stall-weight", type=_non_negative_float, default=_default(ProxyConfig, "auto_stall_weight"),
+    p.add_argument("--auto-stall-weight", type=non_negative_float, default=_default(ProxyConfig, "auto_stall_weight"),
                    help="--kv-mode auto: weight of the stall a local prefill on D inflicts on D's running requests")
-    p.add_argument("--auto-local-max-ms", type=_non_negative_float, default=_default(ProxyConfig, "auto_local_max_ms"),
+    p.add_argument("--auto-local-max-ms", type=non_negative_float, default=_default(ProxyConfig, "auto_local_max_ms"),
                    help="--kv-mode auto: D prefills a request itself only if that takes at most this long")
 
 

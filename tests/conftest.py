@@ -115,3 +115,24 @@ def reference(tiny_model):
         return cache[key]
 
     return ref
+
+
+@pytest.fixture
+def cluster():
+    """Transfer threads over fake agents (test_transfer_worker.Cluster), closed even when a test fails.
+    Modules that start real servers define their own `cluster`."""
+    from test_transfer_worker import Cluster
+
+    c = Cluster()
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+@pytest.fixture
+def pd(cluster):
+    """A prefill and a decode transfer thread over fake agents, wired to each other."""
+    from test_transfer_worker import make_pair
+
+    return make_pair(cluster)

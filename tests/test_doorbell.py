@@ -8,7 +8,6 @@ import pytest
 from test_transfer_worker import (
     D_BLOCKS,
     P_BLOCKS,
-    Cluster,
     make_pair,
     quiesce,
     rec_state,
@@ -22,15 +21,6 @@ from kvpush.transfer.doorbell import Doorbell
 from kvpush.transfer.events import FreeBlocks, KVReady
 from kvpush.transfer.ledger import TransferState as S
 from kvpush.transfer.thread import GRACE_S, WAITING_POLL_S
-
-
-@pytest.fixture
-def cluster():
-    c = Cluster()
-    try:
-        yield c
-    finally:
-        c.close()
 
 
 def test_ring_and_wake_end_a_wait():

@@ -15,7 +15,6 @@ from test_transfer_worker import (
     NL,
     P_BLOCKS,
     P_ENGINE,
-    Cluster,
     hold,
     make_pair,
     quiesce,
@@ -94,13 +93,6 @@ def test_writer_records_a_failed_write(agents):
 
 
 # ---- through the transfer threads --------------------------------------------------------------
-
-
-@pytest.fixture
-def cluster():
-    c = Cluster()
-    yield c
-    c.close()
 
 
 def layers_done(tid: str, blocks=P_BLOCKS) -> list[LayersDone]:

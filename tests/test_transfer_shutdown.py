@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from test_transfer_worker import (  # noqa: F401 - `cluster` and `pd` are fixtures (F811 below: their use)
+from test_transfer_worker import (
     D_AGENT,
     D_BLOCKS,
     D_ENGINE,
@@ -15,11 +15,9 @@ from test_transfer_worker import (  # noqa: F401 - `cluster` and `pd` are fixtur
     P_ENGINE,
     Cluster,
     add_peer,
-    cluster,
     counters,
     hold,
     join,
-    pd,
     rec_state,
     register,
     wait_until,
@@ -57,7 +55,7 @@ def test_failures_are_counted_by_reason() -> None:
     assert d.counters.failures[K.POSTED_LATE] == 1
 
 
-def test_read_posted_too_late_keeps_d_blocks_until_it_ends(pd) -> None:  # noqa: F811
+def test_read_posted_too_late_keeps_d_blocks_until_it_ends(pd) -> None:
     """Pull: D's READ is posted after its deadline (a slow post). D fails the transfer and P answers
     D's Abort with Fail, but D's own READ is still in flight: no block may come back before it ends."""
     p, d = pd
@@ -80,7 +78,7 @@ def test_read_posted_too_late_keeps_d_blocks_until_it_ends(pd) -> None:  # noqa:
     assert counters(d).failures[K.POSTED_LATE] == 1
 
 
-def test_stopping_decode_aborts_its_live_transfers(cluster: Cluster) -> None:  # noqa: F811
+def test_stopping_decode_aborts_its_live_transfers(cluster: Cluster) -> None:
     p = cluster.node(Role.PREFILL, P_ENGINE, P_AGENT, worker=False, seed=1)  # a bare agent: read its inbox
     d = cluster.node(Role.DECODE, D_ENGINE, D_AGENT, seed=2)
     add_peer(d, p)
@@ -95,7 +93,7 @@ def test_stopping_decode_aborts_its_live_transfers(cluster: Cluster) -> None:  #
     assert counters(d).failures[K.SHUTDOWN] == 1
 
 
-def test_stopping_prefill_fails_held_transfers_after_its_write_ended(cluster: Cluster) -> None:  # noqa: F811
+def test_stopping_prefill_fails_held_transfers_after_its_write_ended(cluster: Cluster) -> None:
     p = cluster.node(Role.PREFILL, P_ENGINE, P_AGENT, seed=1)
     d = cluster.node(Role.DECODE, D_ENGINE, D_AGENT, worker=False, seed=2)
     add_peer(p, d)

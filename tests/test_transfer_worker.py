@@ -182,26 +182,12 @@ def add_peer(node: Node, other: Node) -> str:
     return done.result(timeout=TIMEOUT)
 
 
-@pytest.fixture
-def cluster():
-    c = Cluster()
-    try:
-        yield c
-    finally:
-        c.close()
-
-
 def make_pair(cluster: Cluster, d_quarantine_s: float | None = None, layerwise: bool = False) -> tuple[Node, Node]:
     p = cluster.node(Role.PREFILL, P_ENGINE, P_AGENT, seed=1, layerwise=layerwise)
     d = cluster.node(Role.DECODE, D_ENGINE, D_AGENT, seed=2, quarantine_s=d_quarantine_s)
     assert add_peer(p, d) == D_AGENT
     assert add_peer(d, p) == P_AGENT
     return p, d
-
-
-@pytest.fixture
-def pd(cluster):
-    return make_pair(cluster)
 
 
 def register(tid: str, blocks, *, prefix: int = 0, num_tokens: int = 11, deadline_s: float = TIMEOUT,

@@ -33,6 +33,7 @@ from typing import Any
 
 import msgspec
 
+from kvpush.argtypes import positive_float
 from kvpush.bench.datasets import (
     DatasetError,
     Sample,
@@ -66,14 +67,6 @@ def _nonneg_int(text: str) -> int:
     value = _parse(int, text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    """argparse type: a finite float > 0."""
-    value = _parse(float, text)
-    if not value > 0 or math.isinf(value):
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
     return value
 
 
@@ -139,14 +132,14 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     add("--avoid-token-ids", type=_token_ids, default=[], help="random: comma-separated ids never drawn")
     add("--request-rate", type=_rate, nargs="+", default=[math.inf],
         help="requests/s (Poisson), or inf for all at once; several values run a sweep")
-    add("--burstiness", type=_positive_float, default=1.0, help="gamma shape of arrivals; 1 = Poisson")
+    add("--burstiness", type=positive_float, default=1.0, help="gamma shape of arrivals; 1 = Poisson")
     add("--max-concurrency", type=_positive_int, default=None, help="cap on requests in flight")
     add("--num-prompts", type=_positive_int, default=100, help="measured requests per run")
     add("--num-warmups", type=_nonneg_int, default=2, help="warm-up requests per run (excluded)")
     add("--ignore-eos", action="store_true", help="generate exactly output-len tokens")
     add("--seed", type=int, default=0, help="seed of prompts and arrivals")
     add("--slo", type=_slo, default={}, help="goodput SLOs in ms, e.g. ttft:500,tpot:50 (also e2el)")
-    add("--timeout-s", type=_positive_float, default=600.0, help="per-request timeout")
+    add("--timeout-s", type=positive_float, default=600.0, help="per-request timeout")
     add("--no-progress", action="store_true", help="no progress bar")
     add("--trace", action="store_true",
         help="print each run's critical path: per-segment table of TTFT from the servers' kvpush_trace")

@@ -1,0 +1,27 @@
+"""argparse types shared by the `kvpush` commands (argparse turns their errors into CLI messages)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable
+
+
+def _number(text: str, ok: Callable[[float], bool], what: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not ok(value) or math.isinf(value):
+        raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """A finite number above 0."""
+    return _number(text, lambda v: v > 0, "a number above 0")
+
+
+def non_negative_float(text: str) -> float:
+    """A finite number >= 0."""
+    return _number(text, lambda v: v >= 0, "a number >= 0")
