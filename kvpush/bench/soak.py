@@ -25,7 +25,7 @@ from typing import Any
 import aiohttp
 
 from kvpush.bench.datasets import Sample, mixed_samples
-from kvpush.bench.suite import Fleet, SuiteConfig
+from kvpush.bench.suite import Fleet, SuiteConfig, process_tree
 
 LIVE_STATES = ("prefilled", "registered", "matched", "posted")
 
@@ -47,26 +47,10 @@ class SoakConfig:
     vocab_size: int = 1000
 
 
-def _proc_tree(pid: int) -> list[int]:
-    parents: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-    tree, frontier = {pid}, {pid}
-    while frontier:
-        frontier = {p for p, pp in parents.items() if pp in frontier} - tree
-        tree |= frontier
-    return sorted(tree)
-
-
 def process_figures(pid: int) -> dict[str, float]:
     """RSS (MiB), open fds and threads summed over a process and its descendants."""
     rss_kib = fds = threads = 0
-    for p in _proc_tree(pid):
+    for p in process_tree(pid):
         try:
             with open(f"/proc/{p}/status") as f:
                 for line in f:

@@ -99,23 +99,35 @@ class Fleet:
         return out
 
 
-def process_tree_cpu(pid: int) -> float:
-    """CPU seconds (user + system) used so far by a process and all its descendants."""
-    ticks = os.sysconf("SC_CLK_TCK")
-    stats: dict[int, tuple[int, float]] = {}
+def process_tree(pid: int) -> list[int]:
+    """A process and all its descendants (from /proc)."""
+    parents: dict[int, int] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
                 with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
+                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
                 continue
-            stats[int(entry)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / ticks)
     tree, frontier = {pid}, {pid}
     while frontier:
-        frontier = {p for p, (pp, _) in stats.items() if pp in frontier} - tree
+        frontier = {p for p, pp in parents.items() if pp in frontier} - tree
         tree |= frontier
-    return sum(stats[p][1] for p in tree if p in stats)
+    return sorted(tree)
+
+
+def process_tree_cpu(pid: int) -> float:
+    """CPU seconds (user + system) used so far by a process and all its descendants."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for p in process_tree(pid):
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / ticks
+    return total
 
 
 def idle_cpu(fleet: Fleet, seconds: float) -> dict[str, float]:
