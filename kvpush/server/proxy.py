@@ -270,22 +270,22 @@ class Proxy(InstancePool):
             d.prefill.served += 1
         d.decode.in_flight -= 1
         d.decode.served += 1
-        if d.decision is not None and d.decision.route is Route.LOCAL and not d.trace.get("local_prefilled"):
-            self.auto.prefilled(d.decision)  # type: ignore[union-attr]  # failed before its first token
+        if self.auto is not None and d.decision is not None and d.decision.route is Route.LOCAL:
+            self.auto.prefilled(d.decision)  # a no-op unless it failed before its first token
 
     # ---- the two flows -------------------------------------------------------------------
     async def _local(self, path: str, body: dict, d: Dispatch) -> aiohttp.ClientResponse:
         """Auto's local route: the request goes to D as it is; D prefills it (no P leg, no transfer)."""
         assert self.auto is not None and d.decision is not None
         auto, decision = self.auto, d.decision
-        if not body.get("stream"):  # D answers when the whole answer exists: count the prefill as done
-            # once it should be (its estimate), not when the answer arrives
-            timer = asyncio.get_running_loop().call_later(decision.estimates_s.get("local", 0.0),
-                                                          auto.prefilled, decision)
+        # D answers a non-streamed request when the whole answer exists: its prefill counts as done once
+        # it should be (its estimate), not when the answer arrives
+        timer = None if body.get("stream") else asyncio.get_running_loop().call_later(
+            decision.estimates_s.get("local", 0.0), auto.prefilled, decision)
         try:
             resp = await self._open_decode(path, body, None, d)
         finally:
-            if not body.get("stream"):
+            if timer is not None:
                 timer.cancel()
         d.trace["local_prefilled"] = time.time()
         auto.prefilled(decision)
