@@ -3,7 +3,7 @@
 
     python benchmarks/soak.py [--minutes 30] [--modes push pull] [--load 0.7] [--rate R]
 
---load is the share of the measured 1P1D capacity (512-token random prompts, every request at once)
+--load is the share of the measured 1P1D capacity (the soak's own mix of prompts, every request at once)
 offered in all, split evenly over the deployments; --rate sets the per-deployment rate directly.
 Writes soak.json and soak.png under --result-dir and prints the summary: RSS growth from the first
 sixth of the run to its end, fds and threads, TTFT p50 of the last sixth against the second, the end
@@ -22,8 +22,10 @@ from kvpush.config import default_model_dir
 from kvpush.demo import ensure_model
 
 
-def capacity(model: str, input_len: int, result_dir: str) -> float:
-    cfg = SuiteConfig(model=model, modes=("push", "pull"), input_len=input_len, serve_args=["--torch-threads", "1"],
+def capacity(model: str, input_len: int, output_len: int, result_dir: str) -> float:
+    """1P1D capacity on the soak's own mix (short, long and multi-turn prompts), every request at once."""
+    cfg = SuiteConfig(model=model, modes=("push", "pull"), input_len=input_len, output_len=output_len,
+                      dataset="mixed", vocab_size=SoakConfig.vocab_size, serve_args=["--torch-threads", "1"],
                       pin=True, result_dir=result_dir)
     fleet = Fleet(cfg, str(Path(result_dir) / "logs-capacity")).start()
     try:
@@ -45,7 +47,7 @@ def main() -> None:
     model = args.model or ensure_model(default_model_dir(), "bench")
     rate = args.rate
     if rate is None:
-        cap = capacity(model, args.input_len, args.result_dir)
+        cap = capacity(model, args.input_len, SoakConfig.output_len, args.result_dir)
         rate = round(args.load * cap / len(args.modes), 3)
         print(f"capacity {cap:.2f} req/s -> {rate} req/s per deployment", flush=True)
     path = run_soak(SoakConfig(model=model, modes=tuple(args.modes), duration_s=args.minutes * 60, rate=rate,

@@ -259,6 +259,20 @@ def torch_threads_default() -> int:
     return int(value) if value else 1
 
 
+# oneDNN keeps a compiled primitive per (op, shape) and ideep a cache of per-shape computations (1,024
+# entries each by default, ~0.3 MB per entry for the bench preset). Every new prefill length adds
+# entries, so a prefill engine's RSS climbed for minutes before their plateau (soak, #15). Bounded to
+# what decode needs (a few linears x the batch sizes in use); values set in the environment win.
+NATIVE_CACHE_DEFAULTS = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "128", "LRU_CACHE_CAPACITY": "16"}
+
+
+def apply_native_cache_environment() -> None:
+    """Bound oneDNN's and ideep's per-shape caches (NATIVE_CACHE_DEFAULTS) unless the environment sets
+    them. Both libraries read these lazily: call before the engine's first oneDNN operation."""
+    for key, value in NATIVE_CACHE_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+
+
 def apply_compile_environment() -> None:
     """Keep inductor's compiled artefacts (FX graph and kernel caches) across runs in a user cache
     directory, unless TORCHINDUCTOR_CACHE_DIR already names one. Call before the first compile."""

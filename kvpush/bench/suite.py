@@ -39,6 +39,7 @@ class SuiteConfig:
     num_warmups: int = 2
     input_len: int = 512
     output_len: int = 32
+    dataset: str = "random"  # kvpush bench --dataset: random, or mixed (short, long and multi-turn prompts)
     repeats: int = 1
     seed: int = 0
     result_dir: str = "kvpush-results"
@@ -142,7 +143,7 @@ def bench_args(cfg: SuiteConfig, url: str, mode: str, rate: float, seed: int) ->
     parser = argparse.ArgumentParser()
     bench_cli.add_bench_arguments(parser)
     return parser.parse_args([
-        "--base-url", url, "--result-dir", cfg.result_dir, "--dataset", "random",
+        "--base-url", url, "--result-dir", cfg.result_dir, "--dataset", cfg.dataset,
         "--input-len", str(cfg.input_len), "--output-len", str(cfg.output_len), "--ignore-eos",
         "--num-prompts", str(cfg.num_prompts), "--num-warmups", str(cfg.num_warmups),
         "--request-rate", str(rate), "--seed", str(seed), "--mode-label", mode,

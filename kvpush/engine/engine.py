@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import msgspec
 import torch
 
-from kvpush.config import EngineConfig
+from kvpush.config import EngineConfig, apply_native_cache_environment
 from kvpush.device import resolve_device
 from kvpush.engine.block_manager import BlockManager
 from kvpush.engine.kv_connector import EngineHooks, KVConnector
@@ -51,6 +51,7 @@ class EngineOutput:
 class LLMEngine:
     def __init__(self, config: EngineConfig, connector: KVConnector | None = None) -> None:
         self.config = config
+        apply_native_cache_environment()  # before the first oneDNN operation (packing the weights)
         torch.set_num_threads(config.torch_threads)
         self.device = resolve_device(config.model.device)  # DeviceError: e.g. cuda on a machine without
         self.model, self.arch, self.dtype = load_model(config.model.model, config.model.dtype, str(self.device))

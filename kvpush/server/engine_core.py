@@ -6,7 +6,8 @@ A failure to start is reported as CoreFailed with the reason, then the process e
 
 The loop drains its input pipe without blocking while there is work, steps the engine, and sends
 one StepOutputs per step. With nothing to do it sleeps in `wait()` on the input pipe and on a
-wake-up pipe that other threads of this process (the KV transfer thread) write to.
+wake-up pipe that other threads of this process (the KV transfer thread) write to. Once idle for
+IDLE_TRIM_S after a step, it returns the heap's free pages to the OS (engine/native_memory.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING
 from kvpush.config import AdmissionConfig, EngineConfig, Role, TransferConfig
 from kvpush.engine.admission import Load, decide
 from kvpush.engine.engine import EngineOutput, LLMEngine
+from kvpush.engine.native_memory import IdleTrimmer
 from kvpush.errors import InvalidRequestError, KVPushError
 from kvpush.server import messages as m
 
@@ -29,6 +31,7 @@ if TYPE_CHECKING:  # imported when a role needs it (build_engine): colocated nev
 
 log = logging.getLogger("kvpush.engine_core")
 IDLE_WAIT_S = 1.0
+IDLE_TRIM_S = 1.0  # idle this long after a step, the core hands freed heap memory back (native_memory.py)
 STATS_INTERVAL_S = 0.05
 
 
@@ -67,6 +70,7 @@ class EngineCore:
         self.stopped = False
         self.last_stats = 0.0
         self.last_key: tuple[int, ...] = ()
+        self.trimmer = IdleTrimmer(IDLE_TRIM_S)
 
     def run(self) -> None:
         self._send([])  # the first stats, before any wait: /metrics is complete from the start
@@ -75,7 +79,12 @@ class EngineCore:
             self._drain(0.0 if busy else IDLE_WAIT_S)
             if self.stopped:
                 break
-            outputs = self.engine.step() if self.engine.has_unfinished() else []
+            if self.engine.has_unfinished():
+                outputs = self.engine.step()
+                self.trimmer.worked()
+            else:
+                outputs = []
+                self.trimmer.idle()
             self._send(outputs)
             if not outputs and self.engine.has_unfinished() and not self._runnable():
                 self._drain(0.05)  # only remote-KV requests: sleep until a wake-up or an input

@@ -1,0 +1,75 @@
+"""Native memory of the engine process: hand freed heap memory back to the OS once the engine is idle.
+
+Why: every step allocates activation tensors whose sizes follow the batch (a prefill of 1,100 tokens,
+then one of 260, ...). glibc's malloc keeps what such bursts freed inside its heaps, so a prefill
+instance's RSS climbs in steps with every new largest burst and never comes back down, although
+nothing is leaked (measured: a prefill engine fed batches of varying length grew ~100 MB in 120
+batches; with a trim after each it stayed ~60 MB lower, the same throughput). `malloc_trim(0)`
+returns those free pages; it takes a few ms (5 ms p50, 10 ms max measured on the bench preset), so
+the engine core calls it only after it has been idle for a while, never between two steps.
+
+States of an IdleTrimmer: CLEAN (nothing allocated since the last trim) -> DIRTY (`worked()`: the engine
+stepped) -> trimmed by `idle()` once DIRTY and idle for `after_s` -> CLEAN.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import time
+from collections.abc import Callable
+
+log = logging.getLogger("kvpush.native_memory")
+
+
+def _load_malloc_trim() -> Callable[[int], int] | None:
+    """glibc's malloc_trim, or None where the C library has none (musl, macOS)."""
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else ctypes.CDLL(None)
+        fn = libc.malloc_trim
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
+    return fn
+
+
+_MALLOC_TRIM = _load_malloc_trim()
+
+
+def trim_heap() -> bool:
+    """Return the heaps' free pages to the OS. True if the C library could (glibc), False otherwise."""
+    if _MALLOC_TRIM is None:
+        return False
+    _MALLOC_TRIM(0)
+    return True
+
+
+class IdleTrimmer:
+    """Trims once per idle period: after the engine stepped, and then did nothing for `after_s`."""
+
+    def __init__(self, after_s: float, trim: Callable[[], bool] = trim_heap,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.after_s = after_s
+        self._trim = trim
+        self._clock = clock
+        self.dirty = False
+        self.last_work = clock()
+        self.trims = 0
+
+    def worked(self) -> None:
+        """Called by the step loop after every step that did work."""
+        self.dirty = True
+        self.last_work = self._clock()
+
+    def idle(self) -> bool:
+        """Called by the step loop while it has nothing to do; trims if due. True if it trimmed."""
+        if not self.dirty or self._clock() - self.last_work < self.after_s:
+            return False
+        self.dirty = False
+        start = self._clock()
+        if self._trim():
+            self.trims += 1
+            log.debug("heap trimmed in %.1f ms", (self._clock() - start) * 1e3)
+        return True
