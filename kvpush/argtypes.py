@@ -25,3 +25,14 @@ def positive_float(text: str) -> float:
 def non_negative_float(text: str) -> float:
     """A finite number >= 0."""
     return _number(text, lambda v: v >= 0, "a number >= 0")
+
+
+def positive_int(text: str) -> int:
+    """A whole number above 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number above 0, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a whole number above 0, got {text!r}")
+    return value

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.integration
 
 def test_soak_one_minute(tiny_model, tmp_path):
     cfg = SoakConfig(model=tiny_model, modes=("push", "pull"), duration_s=60, rate=3.0, input_len=48, output_len=12,
-                     disconnect_share=0.05, sample_s=3.0, pin=False, result_dir=str(tmp_path),
+                     disconnect_share=0.05, sample_s=3.0, settle_s=0.0, pin=False, result_dir=str(tmp_path),
                      serve_args=["--torch-threads", "1", "--block-size", "8", "--num-blocks", "512",
                                  "--max-model-len", "512"])
     path = run_soak(cfg)

@@ -40,6 +40,7 @@ class SoakConfig:
     output_len: int = 32
     disconnect_share: float = 0.01
     sample_s: float = 5.0
+    settle_s: float = 16.0  # after the drain; the proxy's client closes idle kept-alive connections after 15 s
     seed: int = 0
     pin: bool = True
     result_dir: str = "kvpush-results/soak"
@@ -223,6 +224,7 @@ def run_soak(cfg: SoakConfig) -> Path:
         before = _processes(fleet)
         asyncio.run(run_load(cfg, fleet, samples, rows, outcomes))
         end = drained(fleet)
+        time.sleep(cfg.settle_s)  # idle kept-alive connections close before the idle sample
         after = _processes(fleet)
     finally:
         fleet.stop()
