@@ -38,6 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from kvpush.kv_cache import allocate_kv  # noqa: E402
 from kvpush.transfer.descriptors import KVGeometry  # noqa: E402
 from kvpush.transfer.kv_agent import XferStatus  # noqa: E402
 from kvpush.transfer.nixl_agent import NixlTransferAgent  # noqa: E402
@@ -63,7 +64,7 @@ def target(conn: Any, args: argparse.Namespace) -> None:
     """The receiving instance: stamp each notification ``N:<id>`` and answer ``A:<id>``."""
     torch.set_num_threads(1)
     device = torch.device(args.device)
-    kv = torch.zeros(kv_shape(args), dtype=DTYPES[args.dtype_bytes], device=device)  # [blocks, layers, 2, bs, h, d]
+    kv = allocate_kv(kv_shape(args), DTYPES[args.dtype_bytes], device, args.huge_pages == "on")  # [blocks, layers, 2, bs, h, d]
     agent = NixlTransferAgent("bench-target", *memory(device))
     stamps: dict[str, int] = {}
     try:
@@ -103,8 +104,10 @@ class Initiator:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.device = torch.device(args.device)
-        self.kv = torch.randn(kv_shape(args), device=self.device).to(DTYPES[args.dtype_bytes])
-        self.scratch = torch.empty_like(self.kv)
+        huge = args.huge_pages == "on"
+        self.kv = allocate_kv(kv_shape(args), DTYPES[args.dtype_bytes], self.device, huge)
+        self.kv.copy_(torch.randn(kv_shape(args), device=self.device))
+        self.scratch = allocate_kv(kv_shape(args), DTYPES[args.dtype_bytes], self.device, huge)
         self.mem_type, self.dev_id = memory(self.device)
         self.agent = NixlTransferAgent("bench-initiator", self.mem_type, self.dev_id)
         self.geometry = self.agent.register_kv(self.kv)
@@ -212,6 +215,8 @@ def main() -> None:
                         help="target sleeps this long between notification polls (0: spin)")
     parser.add_argument("--min-iters", type=int, default=10)
     parser.add_argument("--max-iters", type=int, default=300)
+    parser.add_argument("--huge-pages", choices=("on", "off"), default="on",
+                        help="both KV buffers on transparent huge pages (as kvpush's KVCache) or on 4 KiB pages")
     parser.add_argument("--device", default="cpu", help="cpu (DRAM, the default) or cuda[:N] (VRAM in both processes)")
     args = parser.parse_args()
     if args.device != "cpu":

@@ -90,3 +90,39 @@ def test_native_cache_bounds_are_defaults_the_environment_overrides(monkeypatch:
 
     assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "1024"  # the operator's choice wins
     assert os.environ["LRU_CACHE_CAPACITY"] == NATIVE_CACHE_DEFAULTS["LRU_CACHE_CAPACITY"]
+
+
+def _thp_mode() -> str | None:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            text = f.read()
+    except OSError:
+        return None
+    return text[text.index("[") + 1 : text.index("]")]
+
+
+@pytest.mark.skipif(_thp_mode() not in ("madvise", "always"), reason="transparent huge pages off or absent")
+def test_kv_cache_is_advised_onto_huge_pages() -> None:
+    """The KV buffer's mapping carries MADV_HUGEPAGE (VmFlags `hg`), set before its first touch, and
+    the buffer is zeroed. (How many huge pages the kernel then grants depends on its free memory.)"""
+    import torch
+
+    from kvpush.kv_cache import KVCache, KVLayout
+
+    cache = KVCache(KVLayout(256, 4, 16, 2, 64, torch.float32))  # 64 MiB
+    assert not cache.kv.any()
+    assert "hg" in _vm_flags(cache.kv.data_ptr() + cache.kv.numel() * 2)  # an address inside the buffer
+
+
+def _vm_flags(address: int) -> list[str]:
+    """VmFlags of the mapping of this process that holds `address` (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")

@@ -73,3 +73,24 @@ class IdleTrimmer:
             self.trims += 1
             log.debug("heap trimmed in %.1f ms", (self._clock() - start) * 1e3)
         return True
+
+
+MADV_HUGEPAGE = 14  # linux/mman.h
+_PAGE = 4096
+
+
+def advise_huge_pages(address: int, nbytes: int) -> bool:
+    """Ask Linux for transparent huge pages under [address, address + nbytes) (madvise
+    MADV_HUGEPAGE on the page-aligned interior). Call before the memory is first touched. True if
+    the kernel accepted the advice; False where it cannot (no libc madvise, THP off, not Linux)."""
+    start = -(-address // _PAGE) * _PAGE
+    end = (address + nbytes) // _PAGE * _PAGE
+    if end <= start:
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        madvise = libc.madvise
+    except (OSError, AttributeError):
+        return False
+    madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    return madvise(start, end - start, MADV_HUGEPAGE) == 0
