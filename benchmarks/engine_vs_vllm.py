@@ -39,6 +39,9 @@ PROBES = {  # name -> kvpush bench arguments
     "rate1": ["--request-rate", "1", "--num-prompts", "40"],
     "saturation": ["--request-rate", "inf", "--num-prompts", "64"],
 }
+# vLLM's limits below (1 GiB of KV cache, 32 sequences, 2,048 batched tokens) for kvpush too: with its
+# default 256 MiB of KV cache kvpush sheds (429 kv_cache_full) part of the saturation probe.
+SAME_LIMITS = ["--kv-cache-memory-mb", "1024", "--max-num-seqs", "32", "--max-num-batched-tokens", "2048"]
 COLUMNS = [("sequential", "median_ttft_ms", "sequential TTFT p50 ms"), ("rate1", "median_ttft_ms", "TTFT p50 ms @1/s"),
            ("rate1", "p99_ttft_ms", "TTFT p99 ms @1/s"), ("rate1", "median_tpot_ms", "TPOT p50 ms @1/s"),
            ("saturation", "output_throughput", "output tok/s saturated")]
@@ -104,7 +107,7 @@ def start_all(stack: ExitStack, args: argparse.Namespace, out: Path) -> tuple[di
     for mode in args.kvpush_compile.split(","):
         label = f"kvpush compile={mode}"
         server = ServerProcess(["serve", args.model, "--port", str(free_port()), "--torch-threads", "1",
-                                "--compile", mode], log_path=str(out / f"kvpush-{mode}.log"), prefix=["taskset", "-c", "0"])
+                                "--compile", mode, *SAME_LIMITS], log_path=str(out / f"kvpush-{mode}.log"), prefix=["taskset", "-c", "0"])
         t = time.monotonic()
         server.start()
         stack.callback(server.stop)
@@ -133,6 +136,7 @@ def main() -> None:
     ap.add_argument("--kvpush-compile", default="off,on")
     ap.add_argument("--vllm", default=None, help="directory given to setup-vllm-peer.sh")
     ap.add_argument("--repeats", type=positive_int, default=3)
+    ap.add_argument("--probes", nargs="+", choices=list(PROBES), default=list(PROBES))
     ap.add_argument("--out", default="kvpush-results/engine-vs-vllm")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
@@ -151,6 +155,8 @@ def main() -> None:
         for r in range(args.repeats):
             order = labels[r % len(labels):] + labels[:r % len(labels)]
             for i, probe in enumerate(PROBES):
+                if probe not in args.probes:
+                    continue
                 for label in order:  # same prompts (seed) for every server within a repeat
                     doc = run_probe(urls[label], label.replace(" ", "-").replace("=", ""), probe, out,
                                     args.seed + 100 * i + 1000 * r)
@@ -183,15 +189,19 @@ def _ratio(runs: dict[tuple[str, str], list[dict]], name: str, anchor: str, prob
 
 
 def print_table(runs: dict[tuple[str, str], list[dict]], labels: list[str], anchor: str) -> None:
-    print("\n| server | " + " | ".join(c[2] for c in COLUMNS) + " |")
-    print("|---" * (len(COLUMNS) + 1) + "|")
+    columns = [c for c in COLUMNS if (anchor, c[0]) in runs]  # the probes that ran
+    print("\n| server | " + " | ".join(c[2] for c in columns) + " |")
+    print("|---" * (len(columns) + 1) + "|")
     for name in labels:
-        cells = [_median(runs[(name, p)], k) for p, k, _ in COLUMNS]
+        cells = [_median(runs[(name, p)], k) for p, k, _ in columns]
         print(f"| {name} | " + " | ".join("-" if c is None else f"{c:.1f}" for c in cells) + " |")
     for name in labels:
         if name != anchor:
-            cells = [_ratio(runs, name, anchor, p, k) for p, k, _ in COLUMNS]
+            cells = [_ratio(runs, name, anchor, p, k) for p, k, _ in columns]
             print(f"| {name} / {anchor} | " + " | ".join(cells) + " |")
+    failed = {name: sum(d["metrics"].get("failed", 0) for (n, _), docs in runs.items() if n == name for d in docs)
+              for name in labels}
+    print("failed requests: " + ", ".join(f"{k} {v}" for k, v in failed.items()))
 
 
 if __name__ == "__main__":
