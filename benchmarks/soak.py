@@ -42,6 +42,7 @@ def main() -> None:
     ap.add_argument("--load", type=float, default=0.7)
     ap.add_argument("--rate", type=float, default=None, help="requests/s per deployment (skips the capacity probe)")
     ap.add_argument("--input-len", type=int, default=512)
+    ap.add_argument("--seed", type=int, default=0, help="arrivals, disconnects and prompts")
     ap.add_argument("--result-dir", default="kvpush-results/soak")
     args = ap.parse_args()
     model = args.model or ensure_model(default_model_dir(), "bench")
@@ -51,7 +52,7 @@ def main() -> None:
         rate = round(args.load * cap / len(args.modes), 3)
         print(f"capacity {cap:.2f} req/s -> {rate} req/s per deployment", flush=True)
     path = run_soak(SoakConfig(model=model, modes=tuple(args.modes), duration_s=args.minutes * 60, rate=rate,
-                               input_len=args.input_len, result_dir=args.result_dir))
+                               input_len=args.input_len, seed=args.seed, result_dir=args.result_dir))
     png = plot(path)
     print(json.dumps(json.loads(path.read_text())["summary"], indent=1))
     print(f"series: {path}; plot: {png}")
