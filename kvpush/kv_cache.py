@@ -8,11 +8,14 @@ transfer layer can address them by byte offset from `base_ptr`.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
-from kvpush.engine.native_memory import advise_huge_pages
+from kvpush.native_memory import advise_huge_pages
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -57,7 +60,8 @@ def allocate_kv(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     blocks 11.7 / 9.8 ms -> 6.2 / 4.3 ms."""
     kv = torch.empty(shape, dtype=dtype, device=device)
     if huge_pages and kv.device.type == "cpu":  # advised before the first touch: the zero fill faults them in
-        advise_huge_pages(kv.data_ptr(), kv.numel() * kv.element_size())
+        if not advise_huge_pages(kv.data_ptr(), kv.numel() * kv.element_size()):
+            log.debug("no transparent huge pages for the KV cache here: 4 KiB pages")
     return kv.zero_()
 
 

@@ -1,13 +1,14 @@
-"""The idle heap trim of the engine core (kvpush/engine/native_memory.py)."""
+"""The idle heap trim of the engine core (kvpush/native_memory.py)."""
 
 from __future__ import annotations
 
 import os
-import sys
+import platform
 
 import pytest
 
-from kvpush.engine.native_memory import IdleTrimmer, trim_heap
+from kvpush import native_memory
+from kvpush.native_memory import IdleTrimmer, trim_heap
 
 
 class Clock:
@@ -64,7 +65,8 @@ def test_a_library_without_trim_is_not_counted() -> None:
     assert t.idle() and t.trims == 0 and not t.dirty
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc_trim")
+@pytest.mark.skipif(native_memory._MALLOC_TRIM is None or platform.libc_ver()[0] != "glibc"
+                    or "LD_PRELOAD" in os.environ, reason="glibc's malloc and its malloc_trim")
 def test_real_trim_returns_freed_heap_pages() -> None:
     """On glibc the real call runs: memory freed inside the heap (below a live chunk, so free() alone
     cannot give it back) returns to the OS."""
@@ -84,7 +86,8 @@ def test_real_trim_returns_freed_heap_pages() -> None:
 def test_native_cache_bounds_are_defaults_the_environment_overrides(monkeypatch: pytest.MonkeyPatch) -> None:
     from kvpush.config import NATIVE_CACHE_DEFAULTS, apply_native_cache_environment
 
-    monkeypatch.delenv("LRU_CACHE_CAPACITY", raising=False)
+    monkeypatch.setenv("LRU_CACHE_CAPACITY", "x")  # recorded, so the variable is restored afterwards
+    monkeypatch.delenv("LRU_CACHE_CAPACITY")
     monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "1024")
     apply_native_cache_environment()
 
@@ -109,7 +112,7 @@ def test_kv_cache_is_advised_onto_huge_pages() -> None:
 
     from kvpush.kv_cache import KVCache, KVLayout
 
-    cache = KVCache(KVLayout(256, 4, 16, 2, 64, torch.float32))  # 64 MiB
+    cache = KVCache(KVLayout(256, 4, 16, 2, 64, torch.float32))  # 16 MiB
     assert not cache.kv.any()
     assert "hg" in _vm_flags(cache.kv.data_ptr() + cache.kv.numel() * 2)  # an address inside the buffer
 

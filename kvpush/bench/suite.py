@@ -133,10 +133,14 @@ def process_tree_cpu(pid: int) -> float:
 
 def idle_cpu(fleet: Fleet, seconds: float) -> dict[str, float]:
     """Share of one core each idle instance (with its engine core and transfer thread) uses."""
-    procs = {name: p.proc.pid for name, p in fleet.instances().items() if p.proc is not None}
-    before = {name: process_tree_cpu(pid) for name, pid in procs.items()}
+    return idle_cpu_of({name: p.proc.pid for name, p in fleet.instances().items() if p.proc is not None}, seconds)
+
+
+def idle_cpu_of(pids: dict[str, int], seconds: float) -> dict[str, float]:
+    """Share of one core each named process tree uses over `seconds` (left idle by the caller)."""
+    before = {name: process_tree_cpu(pid) for name, pid in pids.items()}
     time.sleep(seconds)
-    return {name: (process_tree_cpu(pid) - before[name]) / seconds for name, pid in procs.items()}
+    return {name: (process_tree_cpu(pid) - before[name]) / seconds for name, pid in pids.items()}
 
 
 def bench_args(cfg: SuiteConfig, url: str, mode: str, rate: float, seed: int) -> argparse.Namespace:

@@ -7,7 +7,7 @@ A failure to start is reported as CoreFailed with the reason, then the process e
 The loop drains its input pipe without blocking while there is work, steps the engine, and sends
 one StepOutputs per step. With nothing to do it sleeps in `wait()` on the input pipe and on a
 wake-up pipe that other threads of this process (the KV transfer thread) write to. Once idle for
-IDLE_TRIM_S after a step, it returns the heap's free pages to the OS (engine/native_memory.py).
+IDLE_TRIM_S after a step, it returns the heap's free pages to the OS (native_memory.py).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING
 from kvpush.config import AdmissionConfig, EngineConfig, Role, TransferConfig
 from kvpush.engine.admission import Load, decide
 from kvpush.engine.engine import EngineOutput, LLMEngine
-from kvpush.engine.native_memory import IdleTrimmer
 from kvpush.errors import InvalidRequestError, KVPushError
+from kvpush.native_memory import IdleTrimmer
 from kvpush.server import messages as m
 
 if TYPE_CHECKING:  # imported when a role needs it (build_engine): colocated never loads nixl

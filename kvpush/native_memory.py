@@ -15,27 +15,32 @@ stepped) -> trimmed by `idle()` once DIRTY and idle for `after_s` -> CLEAN.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
+import mmap
 import time
 from collections.abc import Callable
 
 log = logging.getLogger("kvpush.native_memory")
 
 
-def _load_malloc_trim() -> Callable[[int], int] | None:
-    """glibc's malloc_trim, or None where the C library has none (musl, macOS)."""
-    name = ctypes.util.find_library("c")
+def _libc() -> ctypes.CDLL | None:
+    """The process's C library (its symbols are in the main program's namespace), or None."""
     try:
-        libc = ctypes.CDLL(name) if name else ctypes.CDLL(None)
-        fn = libc.malloc_trim
-    except (OSError, AttributeError):
+        return ctypes.CDLL(None, use_errno=True)
+    except (OSError, TypeError):  # TypeError: platforms where CDLL needs a name (Windows)
         return None
-    fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
+
+
+def _function(name: str, argtypes: list, restype: type) -> Callable[..., int] | None:
+    fn = getattr(_LIBC, name, None) if _LIBC is not None else None
+    if fn is not None:
+        fn.argtypes, fn.restype = argtypes, restype
     return fn
 
 
-_MALLOC_TRIM = _load_malloc_trim()
+_LIBC = _libc()
+_MALLOC_TRIM = _function("malloc_trim", [ctypes.c_size_t], ctypes.c_int)  # glibc only (not musl, macOS)
+_MADVISE = _function("madvise", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int)
 
 
 def trim_heap() -> bool:
@@ -75,22 +80,16 @@ class IdleTrimmer:
         return True
 
 
-MADV_HUGEPAGE = 14  # linux/mman.h
-_PAGE = 4096
+MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)  # linux/mman.h
 
 
 def advise_huge_pages(address: int, nbytes: int) -> bool:
     """Ask Linux for transparent huge pages under [address, address + nbytes) (madvise
     MADV_HUGEPAGE on the page-aligned interior). Call before the memory is first touched. True if
-    the kernel accepted the advice; False where it cannot (no libc madvise, THP off, not Linux)."""
-    start = -(-address // _PAGE) * _PAGE
-    end = (address + nbytes) // _PAGE * _PAGE
-    if end <= start:
+    the kernel accepted the advice; False where it cannot (no madvise, THP off, not Linux)."""
+    page = mmap.PAGESIZE
+    start = -(-address // page) * page
+    end = (address + nbytes) // page * page
+    if end <= start or _MADVISE is None:
         return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-        madvise = libc.madvise
-    except (OSError, AttributeError):
-        return False
-    madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
-    return madvise(start, end - start, MADV_HUGEPAGE) == 0
+    return _MADVISE(start, end - start, MADV_HUGEPAGE) == 0
