@@ -9,21 +9,59 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from typing import IO
 
+_PORT_FLOOR = 10000  # lowest port free_port hands out
+_given: set[int] = set()  # ports this process has handed out (never twice)
+_given_lock = threading.Lock()
+_rng = random.SystemRandom()  # not the global generator: a test seeding it must not make processes collide
+
 
 def free_port() -> int:
+    """A loopback TCP port that is free now, for a server about to start. Drawn at random from below the
+    kernel's ephemeral range: a port the kernel picks itself (bind to 0) can be taken, between this check
+    and the server's own bind, by any outgoing connection or by a listener UCX opens on port 0 (a race
+    seen in CI with four servers starting at once). Falls back to a kernel-chosen port when the range
+    below is too small."""
+    low = _ephemeral_low()
+    with _given_lock:
+        for _ in range(200 if low - _PORT_FLOOR >= 1000 else 0):
+            port = _rng.randrange(_PORT_FLOOR, low)
+            if port not in _given and _bindable(port):
+                _given.add(port)
+                return port
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        _given.add(port)
+        return port
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default; other systems start higher (49152)
+
+
+def _bindable(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 class ServerProcess:
