@@ -7,7 +7,9 @@
 offered in all, split evenly over the deployments; --rate sets the per-deployment rate directly.
 Writes soak.json and soak.png under --result-dir and prints the summary: RSS growth from the first
 sixth of the run to its end, fds and threads, TTFT p50 of the last sixth against the second, the end
-state (every block free, every ledger empty).
+state (every block free, every ledger empty). The arrival schedule repeats every --period-s (default: a
+sixth of the run) with fresh prompt contents, so the last period's requests pair one to one with the
+second period's: the paired ratio of their TTFT p50s, with its interval, is the drift figure.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ def main() -> None:
     ap.add_argument("--modes", nargs="+", default=["push", "pull"])
     ap.add_argument("--load", type=float, default=0.7)
     ap.add_argument("--rate", type=float, default=None, help="requests/s per deployment (skips the capacity probe)")
+    ap.add_argument("--period-s", type=float, default=None,
+                    help="the arrival schedule repeats with this period (default: a sixth of the run)")
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--seed", type=int, default=0, help="arrivals, disconnects and prompts")
     ap.add_argument("--result-dir", default="kvpush-results/soak")
@@ -52,7 +56,8 @@ def main() -> None:
         rate = round(args.load * cap / len(args.modes), 3)
         print(f"capacity {cap:.2f} req/s -> {rate} req/s per deployment", flush=True)
     path = run_soak(SoakConfig(model=model, modes=tuple(args.modes), duration_s=args.minutes * 60, rate=rate,
-                               input_len=args.input_len, seed=args.seed, result_dir=args.result_dir))
+                               input_len=args.input_len, seed=args.seed, period_s=args.period_s,
+                               result_dir=args.result_dir))
     png = plot(path)
     print(json.dumps(json.loads(path.read_text())["summary"], indent=1))
     print(f"series: {path}; plot: {png}")

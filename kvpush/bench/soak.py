@@ -2,17 +2,27 @@
 
     STARTING (one 1P1D deployment per mode, all up together) -> LOAD (per deployment: Poisson arrivals
        of a mixed workload - short and long prompts and multi-turn sessions - streamed, a share of the
-       clients disconnecting after their first chunk) while SAMPLING every `sample_s` (per instance:
+       clients disconnecting after their first chunk; the arrival schedule repeats every `period_s`, see
+       below) while SAMPLING every `sample_s` (per instance:
        RSS, open fds and threads of its process tree, free KV blocks, ledger records, quarantined
        blocks, handshakes; per deployment: TTFT of the requests answered since the last sample)
     -> DRAINED (load stopped; wait until every block is free and no transfer is live)
     -> SUMMARY (growth and flatness figures, the end state) -> STOPPED (also on error or Ctrl-C)
+
+The load is periodic so that the server, not the dice, is what drifts: one period's schedule (Poisson
+gaps, the kind and length of each prompt, which clients disconnect) is drawn once and replayed every
+period, with fresh token contents each time (no prefix-cache hit across periods). At 70% of capacity
+the queueing delay swings with the load of the last seconds, so two windows of independent Poisson
+arrivals can differ by tens of percent in TTFT with nothing wrong; request j of period k meets the same
+offered load as request j of every other period. The summary pairs them (late period against the
+second one) and gives the median ratio with a bootstrap interval.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import random
 import statistics
@@ -25,6 +35,7 @@ from typing import Any
 import aiohttp
 
 from kvpush.bench.datasets import Sample, mixed_samples
+from kvpush.bench.stats import ratio_ci
 from kvpush.bench.suite import Fleet, SuiteConfig, process_tree
 
 LIVE_STATES = ("prefilled", "registered", "matched", "posted")
@@ -39,6 +50,7 @@ class SoakConfig:
     input_len: int = 256
     output_len: int = 32
     disconnect_share: float = 0.01
+    period_s: float | None = None  # the schedule repeats every period; None: a sixth of the run
     sample_s: float = 5.0
     settle_s: float = 16.0  # after the drain; the proxy's client closes idle kept-alive connections after 15 s
     seed: int = 0
@@ -91,12 +103,14 @@ def instance_figures(url: str) -> dict[str, float]:
 @dataclass
 class Outcomes:
     ttfts: list[tuple[float, float]] = field(default_factory=list)  # (answered at, TTFT s)
+    by_slot: dict[tuple[int, int], float] = field(default_factory=dict)  # (period, position) -> TTFT s
     ok: int = 0
     disconnected: int = 0
     errors: list[str] = field(default_factory=list)
 
 
-async def one(session: aiohttp.ClientSession, url: str, sample: Sample, disconnect: bool, out: Outcomes) -> None:
+async def one(session: aiohttp.ClientSession, url: str, sample: Sample, disconnect: bool, out: Outcomes,
+              slot: tuple[int, int]) -> None:
     body = {"prompt": sample.prompt, "max_tokens": sample.output_len, "temperature": 0, "ignore_eos": True,
             "stream": True}
     sent = time.monotonic()
@@ -115,6 +129,7 @@ async def one(session: aiohttp.ClientSession, url: str, sample: Sample, disconne
                     return
                 if first:
                     out.ttfts.append((time.time(), time.monotonic() - sent))
+                    out.by_slot[slot] = out.ttfts[-1][1]
                     first = False
                     if disconnect:
                         out.disconnected += 1
@@ -124,20 +139,39 @@ async def one(session: aiohttp.ClientSession, url: str, sample: Sample, disconne
         out.errors.append(repr(e))
 
 
-async def drive(url: str, samples: list[Sample], rate: float, disconnect_share: float, seed: int,
-                until: float, out: Outcomes) -> None:
-    """Poisson arrivals until `until` (monotonic), cycling through the samples."""
+def period_plan(rate: float, period_s: float, disconnect_share: float, seed: int) -> list[tuple[float, bool]]:
+    """One period's arrivals: (offset from the period's start in s, whether that client disconnects)."""
     rng = random.Random(seed)
+    plan, t = [], rng.expovariate(rate)
+    while t < period_s:
+        plan.append((t, rng.random() < disconnect_share))
+        t += rng.expovariate(rate)
+    return plan
+
+
+def period_samples(cfg: SoakConfig, n: int, period: int) -> list[Sample]:
+    """The prompts of one period: the same kinds and lengths at each position in every period (lengths
+    depend only on the position), fresh token contents per period."""
+    return mixed_samples(max(n, 3), cfg.input_len, cfg.output_len, vocab_size=cfg.vocab_size, avoid_ids=(0, 1, 2),
+                         seed=cfg.seed * 1000 + 3 * period)
+
+
+async def drive(url: str, plan: list[tuple[float, bool]], prompts: list[list[Sample]], period_s: float,
+                until: float, out: Outcomes) -> None:
+    """Replay `plan` every period (period k sends prompts[k]) until `until` (monotonic)."""
     tasks: set[asyncio.Task] = set()
     timeout = aiohttp.ClientTimeout(total=300)
+    start = time.monotonic()
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
-        i = 0
-        while time.monotonic() < until:
-            t = asyncio.create_task(one(session, url, samples[i % len(samples)], rng.random() < disconnect_share, out))
-            tasks.add(t)
-            t.add_done_callback(tasks.discard)
-            i += 1
-            await asyncio.sleep(rng.expovariate(rate))
+        for k, samples in enumerate(prompts):
+            for j, (offset, disconnect) in enumerate(plan):
+                at = start + k * period_s + offset
+                if at >= until:
+                    break
+                await asyncio.sleep(max(0.0, at - time.monotonic()))
+                t = asyncio.create_task(one(session, url, samples[j], disconnect, out, (k, j)))
+                tasks.add(t)
+                t.add_done_callback(tasks.discard)
         if tasks:
             await asyncio.wait(tasks)
 
@@ -154,11 +188,14 @@ def sample_all(fleet: Fleet, start: float, outcomes: dict[str, Outcomes], since:
     return row
 
 
-async def run_load(cfg: SoakConfig, fleet: Fleet, samples: list[Sample], rows: list[dict],
-                   outcomes: dict[str, Outcomes]) -> None:
+async def run_load(cfg: SoakConfig, fleet: Fleet, rows: list[dict], outcomes: dict[str, Outcomes]) -> None:
+    period = cfg.period_s or cfg.duration_s / 6
+    plans = [period_plan(cfg.rate, period, cfg.disconnect_share, cfg.seed + k) for k in range(len(cfg.modes))]
+    n = max(len(p) for p in plans)
+    prompts = [period_samples(cfg, n, k) for k in range(math.ceil(cfg.duration_s / period))]
     start, until = time.time(), time.monotonic() + cfg.duration_s
-    drivers = [asyncio.create_task(drive(fleet.urls[m], samples, cfg.rate, cfg.disconnect_share, cfg.seed + k,
-                                         until, outcomes[m])) for k, m in enumerate(cfg.modes)]
+    drivers = [asyncio.create_task(drive(fleet.urls[m], plans[k], prompts, period, until, outcomes[m]))
+               for k, m in enumerate(cfg.modes)]
     last = time.time()
     while not all(d.done() for d in drivers):
         await asyncio.sleep(cfg.sample_s)
@@ -179,10 +216,27 @@ def drained(fleet: Fleet, timeout_s: float = 60.0) -> dict[str, dict[str, float]
         time.sleep(0.5)
 
 
+def paired_drift(by_slot: dict[tuple[int, int], float], periods: int) -> dict[str, Any]:
+    """TTFT of the last period against the second over the requests answered in both (same arrival offset,
+    same prompt length): both p50s and their ratio with a 95% bootstrap interval, resampled in pairs."""
+    late = periods - 1
+    pairs = [(t, by_slot[(late, j)]) for (k, j), t in by_slot.items() if k == 1 and (late, j) in by_slot]
+    if late < 2:  # the second period is the last (or there is none): nothing to compare
+        return {"paired": 0}
+    if len(pairs) < 2:
+        return {"paired": len(pairs)}
+    early_s, late_s = [a for a, _ in pairs], [b for _, b in pairs]
+    ratio, low, high = ratio_ci(late_s, early_s, paired=True)
+    return {"paired": len(pairs), "paired_early_p50_ms": statistics.median(early_s) * 1e3,
+            "paired_late_p50_ms": statistics.median(late_s) * 1e3, "paired_ratio": ratio,
+            "paired_ratio_ci95": (low, high)}
+
+
 def summarize(rows: list[dict], end: dict[str, dict[str, float]], outcomes: dict[str, Outcomes],
-              duration_s: float) -> dict[str, Any]:
+              duration_s: float, periods: int = 6) -> dict[str, Any]:
     """Per instance: RSS growth from 1/6 of the run to its end, fd and thread ranges after warm-up;
-    per mode: TTFT p50 of the last sixth against the second sixth; the end state."""
+    per mode: TTFT p50 of the last sixth against the second sixth, and of the last period against the
+    second request by request; the end state."""
     warm = [r for r in rows if r["t"] >= duration_s / 6] or rows
     per: dict[str, Any] = {}
     for name in rows[-1]["instances"] if rows else []:
@@ -200,6 +254,7 @@ def summarize(rows: list[dict], end: dict[str, dict[str, float]], outcomes: dict
         late = [t for when, t in out.ttfts if when - t0 >= duration_s * 5 / 6]
         ttft[mode] = {"early_p50_ms": statistics.median(early) * 1e3 if early else None,
                       "late_p50_ms": statistics.median(late) * 1e3 if late else None,
+                      **paired_drift(out.by_slot, periods),
                       "ok": out.ok, "disconnected": out.disconnected, "errors": len(out.errors),
                       "first_errors": out.errors[:5]}
     return {"instances": per, "ttft": ttft, "end": end,
@@ -213,22 +268,20 @@ def run_soak(cfg: SoakConfig) -> Path:
     os.makedirs(log_dir, exist_ok=True)
     suite = SuiteConfig(model=cfg.model, modes=cfg.modes, serve_args=cfg.serve_args, pin=cfg.pin,
                         result_dir=cfg.result_dir)
-    n = max(64, int(cfg.rate * cfg.duration_s) + 1)
-    samples = mixed_samples(n, cfg.input_len, cfg.output_len, vocab_size=cfg.vocab_size, avoid_ids=(0, 1, 2),
-                            seed=cfg.seed)
     fleet = Fleet(suite, log_dir).start()
     rows: list[dict] = []
     outcomes = {m: Outcomes() for m in cfg.modes}
     path = Path(cfg.result_dir) / "soak.json"
     try:
         before = _processes(fleet)
-        asyncio.run(run_load(cfg, fleet, samples, rows, outcomes))
+        asyncio.run(run_load(cfg, fleet, rows, outcomes))
         end = drained(fleet)
         time.sleep(cfg.settle_s)  # idle kept-alive connections close before the idle sample
         after = _processes(fleet)
     finally:
         fleet.stop()
-    summary = summarize(rows, end, outcomes, cfg.duration_s)
+    periods = math.ceil(cfg.duration_s / (cfg.period_s or cfg.duration_s / 6))
+    summary = summarize(rows, end, outcomes, cfg.duration_s, periods)
     summary["idle_before"], summary["idle_after"] = before, after
     path.write_text(json.dumps({"config": asdict(cfg), "summary": summary, "rows": rows}, indent=1))
     return path
