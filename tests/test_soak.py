@@ -27,6 +27,7 @@ def test_soak_one_minute(tiny_model, tmp_path):
         assert t["errors"] == 0, t["first_errors"]
         assert t["ok"] > 100 and t["disconnected"] > 0, t  # ~180 sent per deployment
         assert t["paired"] > 10 and t["paired_ratio_ci95"][0] <= t["paired_ratio"], t  # 10-s periods, ~30 each
+        assert len(t["period_p50_ms"]) == 6 and all(p > 0 for p in t["period_p50_ms"]), t
     assert s["blocks_all_free"] and s["ledgers_empty"], s["end"]
     for name, before in s["idle_before"].items():
         after = s["idle_after"][name]

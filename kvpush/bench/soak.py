@@ -216,6 +216,10 @@ def drained(fleet: Fleet, timeout_s: float = 60.0) -> dict[str, dict[str, float]
         time.sleep(0.5)
 
 
+def _p50_ms(values: list[float]) -> float | None:
+    return statistics.median(values) * 1e3 if values else None
+
+
 def paired_drift(by_slot: dict[tuple[int, int], float], periods: int) -> dict[str, Any]:
     """TTFT of the last period against the second over the requests answered in both (same arrival offset,
     same prompt length): both p50s and their ratio with a 95% bootstrap interval, resampled in pairs."""
@@ -255,6 +259,8 @@ def summarize(rows: list[dict], end: dict[str, dict[str, float]], outcomes: dict
         ttft[mode] = {"early_p50_ms": statistics.median(early) * 1e3 if early else None,
                       "late_p50_ms": statistics.median(late) * 1e3 if late else None,
                       **paired_drift(out.by_slot, periods),
+                      "period_p50_ms": [_p50_ms([t for (k, _), t in out.by_slot.items() if k == i])
+                                        for i in range(periods)],
                       "ok": out.ok, "disconnected": out.disconnected, "errors": len(out.errors),
                       "first_errors": out.errors[:5]}
     return {"instances": per, "ttft": ttft, "end": end,
