@@ -187,7 +187,9 @@ def test_prefill_crash_retry_503_and_rejoin(make_cluster, reference, mode):
     prompt = prompt_of(3 * BS, 30)
     tokens, text, _ = wait_for(lambda: _try_completion(proxy.url, prompt), 15, "the restarted P rejoins")
     assert (tokens, text) == reference(prompt)
-    assert metrics_all(c.decodes[0].url)["kvpush_kv_handshakes_total"] >= 2  # a fresh handshake
+    d_metrics = metrics_all(c.decodes[0].url)
+    assert d_metrics["kvpush_kv_handshakes_total"] >= 2  # a fresh handshake
+    assert d_metrics["kvpush_kv_transfer_thread_rounds_total"] > 0
 
 
 def _try_completion(url: str, prompt: list[int]):

@@ -45,6 +45,8 @@ class TransferCollector(Collector):
                                 value=t.quarantined_blocks)
         yield CounterMetricFamily("kvpush_kv_transfer_thread_cpu_seconds", "CPU time of the transfer thread",
                                   value=t.thread_cpu_s)
+        yield CounterMetricFamily("kvpush_kv_transfer_thread_rounds", "Loop rounds (wake-ups) of the transfer thread",
+                                  value=t.thread_rounds)
         yield CounterMetricFamily("kvpush_kv_faults_injected", "Faults injected (testing only)",
                                   value=t.faults_injected)
         yield CounterMetricFamily("kvpush_kv_local_fallbacks", "Decode requests computed locally after their KV "

@@ -48,6 +48,7 @@ class TransferStats(msgspec.Struct):
     handshake_failures: int = 0
     quarantined_blocks: int = 0
     thread_cpu_s: float = 0.0
+    thread_rounds: int = 0  # loop rounds of the transfer thread (each wake-up is one)
     faults_injected: int = 0
     local_fallbacks: int = 0  # D: requests computed locally after their KV failed (--on-kv-failure recompute)
     failures: dict[str, int] = {}  # transfers that ended FAILED or EXPIRED, by FailureKind (every kind listed)
@@ -65,6 +66,7 @@ class TransferMetrics:
         self.handshakes = 0
         self.handshake_failures = 0
         self.thread_cpu_s = 0.0
+        self.thread_rounds = 0
         self.faults_injected = 0
 
     def observe(self, transfer) -> None:
@@ -90,4 +92,5 @@ class TransferMetrics:
             ignored_unexpected=c.ignored_unexpected, duplicates=c.duplicates, bad_messages=self.bad_messages,
             handshakes=self.handshakes, handshake_failures=self.handshake_failures,
             quarantined_blocks=len(ledger.quarantined_blocks()), thread_cpu_s=self.thread_cpu_s,
+            thread_rounds=self.thread_rounds,
             faults_injected=self.faults_injected, failures={k.value: n for k, n in c.failures.items()})

@@ -80,9 +80,13 @@ class Pacer:
         urgent    in flight, to post, or in grace     a short sleep growing to MAX_BACKOFF_S
 
     Grace (GRACE_S of urgent polling) follows what may need this thread to call into NIXL soon:
-    a notification it sent (UCX may deliver it only on the sender's next progress call; measured
-    with nixl 1.5 over tcp and sm), and a ring whose notification was not there yet. A notification
-    read ends the grace of a ring, so a PushReg read during P's own prefill costs one round.
+    a notification it sent, and a ring whose notification was not there yet. A notification read
+    ends the grace of a ring, so a PushReg read during P's own prefill costs one round. Why a sent
+    notification needs it (nixl 1.5, `benchmarks/notif_delivery.py`): UCX hands most notifications
+    over within `send_notif`, but not the first on a new endpoint, not the first of a new size class
+    between two agents of one process, and, over tcp, not a WRITE's own notification (5-8 ms, a few
+    not within 20 ms if the sender stops calling at DONE); such a message waits for the sender's next
+    NIXL call, and the sender cannot tell which kind it sent (docs/protocol.md section 5).
     """
 
     def __init__(self) -> None:
@@ -196,6 +200,7 @@ class TransferThread(threading.Thread):
             self.pacer.after_round(now, sent=self.peers.sent, received=self._received, rang=rang)
             self.peers.sent = False
             self.metrics.thread_cpu_s = time.thread_time() - cpu0
+            self.metrics.thread_rounds = self.rounds + 1
             wait_s = self.pacer.sleep_s(progressed, self.poll_cap(now))
             rang = wait_s > 0 and self.doorbell.wait(wait_s)
             self.rounds += 1
