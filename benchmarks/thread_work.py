@@ -19,11 +19,11 @@ import asyncio
 import json
 import os
 import random
-import re
 
 import aiohttp
 
 from kvpush.bench.datasets import random_samples
+from kvpush.bench.stale import metric
 from kvpush.bench.stats import bootstrap_ci
 from kvpush.bench.suite import SPECIAL_IDS
 from kvpush.config import default_model_dir
@@ -31,13 +31,12 @@ from kvpush.demo import ensure_model
 from kvpush.launch import free_port
 from kvpush.server.up import Deployment
 
-_METRIC = re.compile(r"^kvpush_kv_transfer_thread_(rounds|cpu_seconds)_total (\S+)$", re.M)
 MODES = ("push", "pull")
 
 
-async def counters(s: aiohttp.ClientSession, url: str) -> dict[str, float]:
-    async with s.get(url + "/metrics") as r:
-        return {k: float(v) for k, v in _METRIC.findall(await r.text())}
+def counters(url: str) -> dict[str, float]:
+    """The instance's transfer-thread counters (read between batches, never under load)."""
+    return {k: metric(url, f"kvpush_kv_transfer_thread_{k}_total") for k in ("rounds", "cpu_seconds")}
 
 
 async def stream(s: aiohttp.ClientSession, url: str, prompt: list[int], max_tokens: int) -> None:
@@ -52,7 +51,7 @@ async def batch(s: aiohttp.ClientSession, dep: Deployment, prompts: list[list[in
                 max_tokens: int, seed: int) -> dict[str, dict[str, float]]:
     """Per instance role: rounds and CPU ms per request over one batch."""
     roles = {i.argv[i.argv.index("--role") + 1]: i.url for i in dep.instances}
-    before = {role: await counters(s, url) for role, url in roles.items()}
+    before = {role: counters(url) for role, url in roles.items()}
     rng, tasks = random.Random(seed), []
     for p in prompts:
         tasks.append(asyncio.create_task(stream(s, dep.url, p, max_tokens)))
@@ -60,7 +59,7 @@ async def batch(s: aiohttp.ClientSession, dep: Deployment, prompts: list[list[in
     await asyncio.gather(*tasks)
     out = {}
     for role, url in roles.items():
-        after = await counters(s, url)
+        after = counters(url)
         out[role] = {"rounds": (after["rounds"] - before[role]["rounds"]) / len(prompts),
                      "cpu_ms": (after["cpu_seconds"] - before[role]["cpu_seconds"]) * 1e3 / len(prompts)}
     return out

@@ -184,7 +184,7 @@ def sample_all(fleet: Fleet, start: float, outcomes: dict[str, Outcomes], since:
         row["instances"][name] = {**process_figures(proc.proc.pid), **instance_figures(proc.url)}
     for mode, out in outcomes.items():
         recent = [t for when, t in out.ttfts if when >= since]
-        row["ttft_p50_ms"][mode] = statistics.median(recent) * 1e3 if recent else None
+        row["ttft_p50_ms"][mode] = _p50_ms(recent)
     return row
 
 
@@ -231,8 +231,8 @@ def paired_drift(by_slot: dict[tuple[int, int], float], periods: int) -> dict[st
         return {"paired": len(pairs)}
     early_s, late_s = [a for a, _ in pairs], [b for _, b in pairs]
     ratio, low, high = ratio_ci(late_s, early_s, paired=True)
-    return {"paired": len(pairs), "paired_early_p50_ms": statistics.median(early_s) * 1e3,
-            "paired_late_p50_ms": statistics.median(late_s) * 1e3, "paired_ratio": ratio,
+    return {"paired": len(pairs), "paired_early_p50_ms": _p50_ms(early_s),
+            "paired_late_p50_ms": _p50_ms(late_s), "paired_ratio": ratio,
             "paired_ratio_ci95": (low, high)}
 
 
@@ -256,8 +256,7 @@ def summarize(rows: list[dict], end: dict[str, dict[str, float]], outcomes: dict
         t0 = out.ttfts[0][0]
         early = [t for when, t in out.ttfts if duration_s / 6 <= when - t0 < duration_s / 3]
         late = [t for when, t in out.ttfts if when - t0 >= duration_s * 5 / 6]
-        ttft[mode] = {"early_p50_ms": statistics.median(early) * 1e3 if early else None,
-                      "late_p50_ms": statistics.median(late) * 1e3 if late else None,
+        ttft[mode] = {"early_p50_ms": _p50_ms(early), "late_p50_ms": _p50_ms(late),
                       **paired_drift(out.by_slot, periods),
                       "period_p50_ms": [_p50_ms([t for (k, _), t in out.by_slot.items() if k == i])
                                         for i in range(periods)],

@@ -154,9 +154,13 @@ class TransferThread(threading.Thread):
         self._stopping = threading.Event()  # not `_stop`: that name is Thread's own
         self._last_housekeeping = 0.0
         self._received = False  # this round read a notification
-        self.rounds = 0  # loop rounds run (what a test waits on to know the thread caught up)
 
     # ---- thread API (any thread) -----------------------------------------------------------
+    @property
+    def rounds(self) -> int:
+        """Loop rounds run (what a test waits on to know the thread caught up; also a metric)."""
+        return self.metrics.thread_rounds
+
     def submit(self, command: Command) -> None:
         self.commands.put(command)
         self.doorbell.wake()
@@ -200,10 +204,9 @@ class TransferThread(threading.Thread):
             self.pacer.after_round(now, sent=self.peers.sent, received=self._received, rang=rang)
             self.peers.sent = False
             self.metrics.thread_cpu_s = time.thread_time() - cpu0
-            self.metrics.thread_rounds = self.rounds + 1
             wait_s = self.pacer.sleep_s(progressed, self.poll_cap(now))
             rang = wait_s > 0 and self.doorbell.wait(wait_s)
-            self.rounds += 1
+            self.metrics.thread_rounds += 1
         self._wind_down()
         self.agent.close()
         self.doorbell.close()
