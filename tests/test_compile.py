@@ -13,28 +13,26 @@ import torch
 from test_engine import ATOL, generate, ours_logits, prompts
 
 from kvpush.config import CacheConfig, CompileMode, EngineConfig, ModelConfig, SchedulerConfig
-from kvpush.engine.compiler import COMPILED_MIN_TOKENS
 from kvpush.engine.engine import LLMEngine
 from kvpush.engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-LONG = COMPILED_MIN_TOKENS + 10  # prompts long enough that their prefill runs the compiled pieces
+LONG = 138  # prompts long enough to be prefilled in several chunks next to decode rows
 
 
-class CountingPieces:
-    """Counts forwards that ran the compiled pieces (so a test knows it exercised them)."""
+class CountingLayers:
+    """Counts forwards that ran the compiled layers, by token count (so a test knows what it exercised)."""
 
     def __init__(self, eng: LLMEngine) -> None:
-        pieces = eng.model.compiled_pieces
-        assert pieces is not None
-        self.calls = 0
-        inner = pieces.attention_input
+        inner = eng.model.compiled_layers
+        assert inner is not None
+        self.tokens: list[int] = []
 
-        def counted(*args):
-            self.calls += 1
-            return inner(*args)
+        def counted(model, input_ids, positions):
+            self.tokens.append(input_ids.shape[0])
+            return inner(model, input_ids, positions)
 
-        pieces.attention_input = counted
+        eng.model.compiled_layers = counted
 
 
 def compiled_engine(model: str) -> LLMEngine:
@@ -52,12 +50,13 @@ def compiled(tiny_model) -> LLMEngine:
 def test_compiled_greedy_equals_eager_and_logits_match(compiled, tiny_model):
     eager = LLMEngine(dataclasses.replace(compiled.config, compile=CompileMode.OFF))
     assert not eager.runner.compiled
-    counter = CountingPieces(compiled)
+    counter = CountingLayers(compiled)
     # chunked prefills of LONG + 40 tokens next to decode rows of the requests already prefilled
     ps = prompts(compiled.arch.vocab_size, (1, 7, 30, LONG, 2 * LONG, 45))
     assert generate(compiled, ps, GREEDY) == generate(eager, ps, GREEDY)
-    assert counter.calls > 0
+    assert max(counter.tokens) > LONG  # chunks next to decode rows ran compiled
     assert [generate(compiled, [p], GREEDY)[0] for p in ps[2:4]] == [generate(eager, [p], GREEDY)[0] for p in ps[2:4]]
+    assert 1 in counter.tokens  # and so did one decoding sequence
     tokens = ps[4][: LONG + 20]
     diff = (ours_logits(compiled, tokens) - ours_logits(eager, tokens)).abs().max().item()
     assert diff < ATOL["cpu"], diff
@@ -67,14 +66,15 @@ def test_no_recompile_after_warm_up(tiny_model):
     compiled = compiled_engine(tiny_model)  # a fresh engine: nothing ran on it since its warm-up
     before = compiled.runner.num_compiled_graphs
     assert before > 0
-    counter = CountingPieces(compiled)
+    counter = CountingLayers(compiled)
     vocab = compiled.arch.vocab_size
-    generate(compiled, prompts(vocab, (1,)))  # a one-token prompt (eager)
+    generate(compiled, prompts(vocab, (1,)))  # a one-token prompt, then one decoding sequence
     generate(compiled, prompts(vocab, (5, LONG, 17, 2, LONG + 33, 3 * LONG)))  # mixed, chunked prefills
     base = prompts(vocab, (LONG + 4,))[0]
     generate(compiled, [base, base + list(range(3, 3 + LONG))])  # prefix-cache hit, then context
     generate(compiled, [p[:3] for p in prompts(vocab, (8,) * 12)])  # a wide decode batch
-    assert counter.calls > 0
+    generate(compiled, prompts(vocab, (4, 4)))  # a two-sequence decode batch
+    assert 1 in counter.tokens and 2 in counter.tokens and max(counter.tokens) > LONG
     assert compiled.runner.num_compiled_graphs == before
 
 
@@ -92,7 +92,6 @@ SCRIPT = """
 import logging, sys
 logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
 from kvpush.config import CacheConfig, CompileMode, EngineConfig, ModelConfig
-from kvpush.engine.compiler import COMPILED_MIN_TOKENS
 from kvpush.engine.engine import LLMEngine
 from kvpush.engine.sampling_params import SamplingParams
 from kvpush.errors import CompileError

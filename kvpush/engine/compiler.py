@@ -1,10 +1,14 @@
-"""torch.compile of the model's pieces with inductor, and the warm-up that compiles them up front.
+"""torch.compile of the model's layers with inductor, and the warm-up that compiles them up front.
 
-The compiled pieces (`attention_input`, `attention_output`, see models/decoder.py) have the token
-count as a symbolic size (dim 0 of their tensor arguments), so one graph per piece serves every batch of at least
-COMPILED_MIN_TOKENS tokens. Paged attention stays eager between them (its gather + SDPA beat an
-inductor-generated decode kernel here). The warm-up runs one such batch, so a running server does
-not compile again: `num_graphs` counts graphs compiled in this process (an engine stat and a metric).
+`decoder_layers` (models/decoder.py: embedding and every layer) compiles into one graph with the
+token count as a symbolic size (dim 0 of input_ids and positions), so the same graph serves every
+batch of two or more tokens; a one-token batch (one decoding sequence) gets its own graph, as
+dynamo specialises sizes 0 and 1. Paged attention is one opaque op inside the graph (its gather +
+SDPA beat an inductor-generated decode kernel here), as is each oneDNN-packed linear. One graph
+per forward, not one per layer piece: the guard check and the graph call cost ~0.3 ms per call on
+one core, which 16 piece calls a step made larger than the fusion gained for decode batches.
+The warm-up runs a two-token and a one-token batch, so a running server does not compile again:
+`num_graphs` counts graphs compiled in this process (an engine stat and a metric).
 
 A compiler is never a hard requirement: in `auto` mode a failure to build (no C++ compiler, an
 inductor error) leaves the model eager with one log line; in `on` mode it raises CompileError.
@@ -19,15 +23,14 @@ import torch
 
 from kvpush.config import CompileMode, apply_compile_environment
 from kvpush.errors import CompileError
-from kvpush.models.decoder import CausalLM, Pieces, attention_input, attention_output
+from kvpush.models.decoder import CausalLM, decoder_layers
 
 log = logging.getLogger(__name__)
 
-# Batches of fewer tokens (decode steps, short prefills) run eagerly: on one CPU core the fused
-# elementwise kernels gain less there than torch.compile's per-call guard and dispatch cost (about
-# 0.1 ms per piece call, 16 calls a step); from a few hundred tokens on, prefill runs 5-15% faster.
-COMPILED_MIN_TOKENS = 128
-RECOMPILE_LIMIT = 64  # graphs per piece; engines in one process (tests) each add a few shape classes
+# Batches of fewer tokens run eagerly (1: every batch runs compiled).
+COMPILED_MIN_TOKENS = 1
+WARM_UP_TOKENS = (2, 1)  # one forward per graph: the symbolic token count, and the one-token batch
+RECOMPILE_LIMIT = 64  # graphs of decoder_layers; engines in one process (tests) each add a few
 _num_graphs = 0
 
 
@@ -45,20 +48,21 @@ def _counting_inductor(gm: torch.fx.GraphModule, example_inputs: list) -> Callab
 
 
 def _compile(fn: Callable) -> Callable:
-    """fn(layer, *tensors) compiled with the token count (dim 0 of every tensor) symbolic and every
-    other size, weights' included, static."""
+    """fn(model, input_ids, positions) compiled with the token count (dim 0 of both tensors)
+    symbolic and every other size, weights' included, static."""
     compiled = torch.compile(fn, backend=_counting_inductor, dynamic=None)
 
-    def run(layer, *tensors: torch.Tensor):
-        for t in tensors:
-            torch._dynamo.maybe_mark_dynamic(t, 0)
-        return compiled(layer, *tensors)
+    def run(model, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        torch._dynamo.maybe_mark_dynamic(input_ids, 0)
+        torch._dynamo.maybe_mark_dynamic(positions, 0)
+        return compiled(model, input_ids, positions)
 
     return run
 
 
-def compile_model(model: CausalLM, mode: CompileMode, warm_up: Callable[[], None]) -> bool:
-    """Swap the model's pieces for compiled ones and compile them by running `warm_up`.
+def compile_model(model: CausalLM, mode: CompileMode, warm_up: Callable[[int], None]) -> bool:
+    """Give the model compiled layers and compile them by running `warm_up(tokens)` for each of
+    WARM_UP_TOKENS.
 
     Returns True if the model now runs compiled. Raises CompileError only in `on` mode.
     """
@@ -73,12 +77,13 @@ def compile_model(model: CausalLM, mode: CompileMode, warm_up: Callable[[], None
     # Without this the warm-up's token count would be unified with any weight dimension of the same
     # size (duck shaping) and the graph specialised to it: every other count would recompile.
     torch.fx.experimental._config.use_duck_shape = False
-    model.compiled_pieces = Pieces(_compile(attention_input), _compile(attention_output))
+    model.compiled_layers = _compile(decoder_layers)
     model.compiled_min_tokens = COMPILED_MIN_TOKENS
     try:
-        warm_up()
+        for tokens in WARM_UP_TOKENS:
+            warm_up(tokens)
     except (torch._dynamo.exc.TorchDynamoException, RuntimeError, OSError) as e:
-        model.compiled_pieces = None
+        model.compiled_layers = None
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         if mode is CompileMode.ON:
             raise CompileError(f"--compile on, but the model cannot be compiled here: {reason}") from e

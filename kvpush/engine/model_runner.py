@@ -51,10 +51,9 @@ class ModelRunner:
         return compiler.num_graphs()
 
     @torch.inference_mode()
-    def warm_up(self) -> None:
-        """Compile the compiled pieces now: run one prefill as long as the shortest batch they serve,
-        then clear the cache it wrote to."""
-        tokens = max(self.model.compiled_min_tokens, 2)  # the token count is symbolic from 2 on
+    def warm_up(self, tokens: int) -> None:
+        """Compile the graph for batches like this one now: run a prefill of `tokens` tokens, then clear
+        the cache it wrote to."""
         tokens = min(tokens, self.model.model.rotary.cos.shape[0])
         request = Request("warm-up", [0] * tokens, SamplingParams(max_tokens=1))
         num_blocks = self.cache.layout.num_blocks

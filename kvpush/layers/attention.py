@@ -5,10 +5,19 @@ Per layer: new K/V are written to their slots, then each sequence attends over i
 queries of decoding sequences, batched into one padded SDPA call over their blocks (gathered with one
 contiguous-row copy per K and V). Longer queries (prefill chunks) follow, one SDPA call each; a chunk
 with no earlier context attends over its fresh K/V without touching the cache.
+
+The model calls `attend(q, k, v, layer, scale)`; what a forward attends with (metadata, cache, the
+layer hook) is set once per forward by `forward_context`. Under torch.compile `attend` is one
+opaque op (`kvpush::paged_attention`), so the whole forward compiles into one graph around it
+(as vLLM's attention op reads its forward context). The op writes the cache, which is not a graph
+input: it is declared without mutated arguments, and its calls keep their order because each
+layer's q, k, v depend on the previous layer's output, which depends on that layer's op.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -32,6 +41,56 @@ class AttentionMetadata:
     decode_block_ids: torch.Tensor | None = None  # [Bd * nb] each sequence's blocks, padded with block 0
     decode_mask: torch.Tensor | None = None  # [Bd, 1, 1, nb * bs] bool, True = attend
     prefills: list[PrefillSeq] = field(default_factory=list)
+
+
+@dataclass
+class ForwardContext:
+    meta: AttentionMetadata
+    cache: KVCache
+    layer_hook: Callable[[int], None] | None = None  # runs after each layer wrote its K/V (layer-wise push)
+
+
+_context: ForwardContext | None = None
+
+
+@contextmanager
+def forward_context(meta: AttentionMetadata, cache: KVCache,
+                    layer_hook: Callable[[int], None] | None = None) -> Iterator[None]:
+    """What `attend` works with during one forward (the engine runs one forward at a time)."""
+    global _context
+    _context = ForwardContext(meta, cache, layer_hook)
+    try:
+        yield
+    finally:
+        _context = None
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
+    """q: [T, H, hd], k, v: [T, kvh, hd] -> [T, H, hd], in the current forward context."""
+    if torch.compiler.is_compiling():
+        return torch.ops.kvpush.paged_attention(q, k, v, layer, scale)
+    return _attend(q, k, v, layer, scale)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
+    ctx = _context
+    assert ctx is not None, "attend() outside forward_context()"
+    o = paged_attention(q, k, v, layer, ctx.meta, ctx.cache, scale)
+    if ctx.layer_hook is not None:
+        ctx.layer_hook(layer)
+    return o
+
+
+def _attend_meta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+# The low-level torch.library API: less Python wrapping per call than @custom_op (see layers/linear.py).
+_lib = torch.library.Library("kvpush", "FRAGMENT")
+_lib.define("paged_attention(Tensor q, Tensor k, Tensor v, int layer, float scale) -> Tensor")
+_lib.impl("paged_attention", _attend, "CPU")
+_lib.impl("paged_attention", _attend, "CUDA")
+_lib.impl("paged_attention", _attend_meta, "Meta")
 
 
 def paged_attention(

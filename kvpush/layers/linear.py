@@ -5,7 +5,7 @@ oneDNN they run 1.3-1.8x faster than the default BLAS path on one core (largest 
 a few to a few dozen rows), which is also how vLLM's CPU backend runs unquantized linears. Where
 oneDNN cannot serve (no mkldnn build, non-CPU device, other dtypes) the layer is a plain nn.Linear.
 
-Under torch.compile the packed GEMM is an opaque custom op (`kvpush::packed_linear`), so inductor
+Under torch.compile the packed GEMM is an opaque op (`kvpush::packed_linear`), so inductor
 fuses the elementwise work around it and calls oneDNN for the product.
 """
 
@@ -18,15 +18,25 @@ from torch import nn
 BATCH_HINT = 64  # rows oneDNN picks the weight layout for; any row count runs on it
 
 
-@torch.library.custom_op("kvpush::packed_linear", mutates_args=())
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+# Defined with the low-level torch.library API rather than @custom_op: under torch.compile each
+# call then costs ~9 us less of Python wrapping (33 calls a step; measured with a 30-linear graph at
+# one row: 51.6 -> 42.5 us per linear, eager 40.6). The packed weight is an MkldnnCPU tensor.
+_lib = torch.library.Library("kvpush", "FRAGMENT")
+_lib.define("packed_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor")
+
+
+def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x: [T, in], packed: oneDNN weight [out, in] -> [T, out]"""
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-@packed_linear.register_fake
-def _packed_linear_fake(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _packed_linear_meta(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], packed.shape[0]))
+
+
+for _key in ("CPU", "MkldnnCPU"):
+    _lib.impl("packed_linear", _packed_linear, _key)
+_lib.impl("packed_linear", _packed_linear_meta, "Meta")
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -50,8 +60,8 @@ class Linear(nn.Linear):
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
         if torch.compiler.is_compiling():
-            return packed_linear(x, self.packed, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            return torch.ops.kvpush.packed_linear(x, self.packed, self.bias)
+        return _packed_linear(x, self.packed, self.bias)
 
 
 def pack_linears(model: nn.Module) -> int:

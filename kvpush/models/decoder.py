@@ -4,24 +4,24 @@ Projections are fused at load time (q/k/v into `qkv_proj`, gate/up into `gate_up
 loader maps Hugging Face tensor names onto them. Qwen3 adds per-head RMSNorm on q and k.
 
 A layer runs as three pieces: `attention_input` (norm, q/k/v projection, q/k norm, rotary),
-`paged_attention` (writes K/V to the cache, attends over it) and `attention_output` (o_proj, MLP,
-residuals). The two dense pieces are pure functions of their tensors, so a compiler can turn each
-into one graph shared by every layer (`CausalLM.compiled_pieces`, used for batches of at least
-`compiled_min_tokens` tokens); attention and the per-layer hook stay eager between them.
+`attend` (writes K/V to the paged cache, attends over it; one opaque op under torch.compile) and
+`attention_output` (o_proj, MLP, residuals). `decoder_layers` runs the embedding and every layer;
+a compiler turns it into one graph (`CausalLM.compiled_layers`) with the token count symbolic.
+The final norm, the selection of the rows to sample and the LM head run eagerly after it, so the
+graph does not depend on how many rows are sampled.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, cast
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kvpush.kv_cache import KVCache
-from kvpush.layers.attention import AttentionMetadata, paged_attention
+from kvpush.layers.attention import AttentionMetadata, attend, forward_context
 from kvpush.layers.linear import Linear
 from kvpush.layers.norm import RMSNorm
 from kvpush.layers.rotary import RotaryEmbedding, apply_rotary
@@ -83,12 +83,17 @@ def attention_output(layer: DecoderLayer, x: torch.Tensor, o: torch.Tensor) -> t
     return x + layer.mlp(layer.post_attention_layernorm(x))
 
 
-@dataclass
-class Pieces:
-    """The dense pieces a forward calls: plain functions, or compiled versions of them."""
-
-    attention_input: Callable[..., Any] = attention_input
-    attention_output: Callable[..., Any] = attention_output
+def decoder_layers(model: CausalLM, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """input_ids, positions: [T] -> hidden states after the last layer [T, hidden] (before the final
+    norm). Attends in the current forward_context."""
+    m = model.model
+    x = m.embed_tokens(input_ids)  # [T, hidden]
+    cos, sin = m.rotary.cos_sin(positions, x.dtype)  # [T, 1, hd]
+    for layer in cast(list[DecoderLayer], m.layers):
+        q, k, v = attention_input(layer, x, cos, sin)
+        o = attend(q, k, v, layer.layer, layer.self_attn.scale)  # [T, H, hd]
+        x = attention_output(layer, x, o)
+    return x
 
 
 class DecoderModel(nn.Module):
@@ -108,15 +113,14 @@ class CausalLM(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.pieces = Pieces()
-        self.compiled_pieces: Pieces | None = None
-        self.compiled_min_tokens = 0
+        # decoder_layers compiled (engine/compiler.py), used for batches of at least compiled_min_tokens
+        self.compiled_layers: Callable[[CausalLM, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+        self.compiled_min_tokens = 1
 
-    def pieces_for(self, num_tokens: int) -> Pieces:
-        """Compiled pieces for batches of at least compiled_min_tokens tokens (if compiled), else eager."""
-        if self.compiled_pieces is not None and num_tokens >= self.compiled_min_tokens:
-            return self.compiled_pieces
-        return self.pieces
+    def layers_for(self, num_tokens: int) -> Callable[[CausalLM, torch.Tensor, torch.Tensor], torch.Tensor]:
+        if self.compiled_layers is not None and num_tokens >= self.compiled_min_tokens:
+            return self.compiled_layers
+        return decoder_layers
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, cache: KVCache, logit_rows: torch.Tensor,
                 layer_hook: Callable[[int], None] | None = None) -> torch.Tensor:
@@ -124,13 +128,6 @@ class CausalLM(nn.Module):
 
         layer_hook(l) runs right after layer l wrote its K/V to the cache (layer-wise push).
         """
-        m, pieces = self.model, self.pieces_for(input_ids.shape[0])
-        x = m.embed_tokens(input_ids)  # [T, hidden]
-        cos, sin = m.rotary.cos_sin(positions, x.dtype)  # [T, 1, hd]
-        for layer in cast(list[DecoderLayer], m.layers):
-            q, k, v = pieces.attention_input(layer, x, cos, sin)
-            o = paged_attention(q, k, v, layer.layer, meta, cache, layer.self_attn.scale)  # [T, H, hd]
-            if layer_hook is not None:
-                layer_hook(layer.layer)
-            x = pieces.attention_output(layer, x, o)
-        return self.lm_head(m.norm(x[logit_rows])).float()
+        with forward_context(meta, cache, layer_hook):
+            x = self.layers_for(input_ids.shape[0])(self, input_ids, positions)  # [T, hidden]
+        return self.lm_head(self.model.norm(x[logit_rows])).float()
