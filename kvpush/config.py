@@ -273,9 +273,19 @@ def apply_native_cache_environment() -> None:
         os.environ.setdefault(key, value)
 
 
+def user_cache_dir(*parts: str) -> str:
+    """A directory under the user's cache ($XDG_CACHE_HOME or ~/.cache)/kvpush (not created here)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "kvpush", *parts)
+
+
+def c_compiler() -> str:
+    """The C compiler kvpush builds its CPU kernels with: $CC, else `cc`."""
+    return os.environ.get("CC") or "cc"
+
+
 def apply_compile_environment() -> None:
     """Keep inductor's compiled artefacts (FX graph and kernel caches) across runs in a user cache
     directory, unless TORCHINDUCTOR_CACHE_DIR already names one. Call before the first compile."""
     if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
-        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(base, "kvpush", "inductor")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = user_cache_dir("inductor")

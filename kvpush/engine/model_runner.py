@@ -18,6 +18,7 @@ from kvpush.engine.request import Request
 from kvpush.engine.sampling_params import SamplingParams
 from kvpush.kv_cache import KVCache
 from kvpush.layers.attention import AttentionMetadata, PrefillSeq
+from kvpush.layers.cpu_kernels import PagedDecode, paged_decode_kernel
 from kvpush.layers.linear import pack_linears
 from kvpush.layers.sampler import sample
 from kvpush.models.decoder import CausalLM
@@ -43,6 +44,10 @@ class ModelRunner:
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
         # Called after each layer of the next forward wrote its K/V (set per step by a layer-wise KV connector).
         self.layer_hook: Callable[[int], None] | None = None
+        # Decode rows attend in place over the cache where the C kernel serves (CPU, fp32).
+        self.decode_kernel: PagedDecode | None = None
+        if cache.kv.device.type == "cpu" and cache.kv.dtype == torch.float32:
+            self.decode_kernel = paged_decode_kernel()
         self.compiled = compiler.compile_model(model, compile_mode, self.warm_up)
 
     @property
@@ -111,7 +116,11 @@ class ModelRunner:
         dev = self.device
         meta.num_decode = len(decodes)
         meta.decode_block_ids = torch.tensor(block_ids, dtype=torch.long, device=dev)  # [Bd * nb]
-        lens_t = torch.tensor(lens, device=dev)
+        lens_t = torch.tensor(lens, dtype=torch.long, device=dev)  # [Bd]
+        meta.decode_lens = lens_t
+        if self.decode_kernel is not None:
+            meta.decode_kernel = self.decode_kernel
+            return
         mask = torch.arange(nb * bs, device=dev).unsqueeze(0) < lens_t.unsqueeze(1)  # [Bd, nb * bs]
         meta.decode_mask = mask[:, None, None, :]
 

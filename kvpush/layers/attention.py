@@ -2,8 +2,9 @@
 
 Per layer: new K/V are written to their slots, then each sequence attends over its context in
 `kv[block_table, layer]`. The batch is ordered decode-first: rows [0, num_decode) are the single-token
-queries of decoding sequences, batched into one padded SDPA call over their blocks (gathered with one
-contiguous-row copy per K and V). Longer queries (prefill chunks) follow, one SDPA call each; a chunk
+queries of decoding sequences. On CPU in fp32 they attend with one C kernel call that reads their
+K/V in place from the cache (layers/cpu_kernels.py); elsewhere they are batched into one padded SDPA
+call over their blocks (gathered with one contiguous-row copy per K and V). Longer queries (prefill chunks) follow, one SDPA call each; a chunk
 with no earlier context attends over its fresh K/V without touching the cache.
 
 The model calls `attend(q, k, v, layer, scale)`; what a forward attends with (metadata, cache, the
@@ -24,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from kvpush.kv_cache import KVCache
+from kvpush.layers.cpu_kernels import PagedDecode
 
 
 @dataclass
@@ -39,7 +41,9 @@ class AttentionMetadata:
     slot_rows: torch.Tensor  # [2T] cache rows of the new tokens' K then V in layer 0 (KVCache.slot_rows)
     num_decode: int = 0  # rows [0, num_decode) are decode tokens, one per sequence
     decode_block_ids: torch.Tensor | None = None  # [Bd * nb] each sequence's blocks, padded with block 0
-    decode_mask: torch.Tensor | None = None  # [Bd, 1, 1, nb * bs] bool, True = attend
+    decode_lens: torch.Tensor | None = None  # [Bd] int64 context length, the new token included
+    decode_mask: torch.Tensor | None = None  # [Bd, 1, 1, nb * bs] bool, True = attend (gather path only)
+    decode_kernel: PagedDecode | None = None  # reads K/V in place (CPU fp32); None: gather + SDPA
     prefills: list[PrefillSeq] = field(default_factory=list)
 
 
@@ -136,6 +140,10 @@ def _decode_batch(q, layer: int, meta: AttentionMetadata, cache: KVCache, scale:
     """-> [Bd, H, hd]"""
     assert meta.decode_block_ids is not None
     n = meta.num_decode
+    if meta.decode_kernel is not None:
+        assert meta.decode_lens is not None
+        return meta.decode_kernel(q[:n].contiguous(), cache.kv, meta.decode_block_ids.view(n, -1), meta.decode_lens,
+                                  layer, scale)
     k, v = cache.gather(layer, meta.decode_block_ids)  # [Bd * nb * bs, kvh, hd]
     kd = k.view(n, -1, k.shape[1], k.shape[2]).transpose(1, 2)  # [Bd, kvh, nb * bs, hd]
     vd = v.view(n, -1, v.shape[1], v.shape[2]).transpose(1, 2)

@@ -1,0 +1,90 @@
+"""C kernels for the CPU path, built on first use with the system's C compiler and cached.
+
+`paged_decode` (paged_decode.c) computes the attention of decode rows by reading K and V in place
+from the block-major cache, instead of gathering each sequence's blocks into a contiguous copy
+and running SDPA over it. It is built once per machine with `cc -O3 -march=native -ffast-math`
+then linked, into the user cache (`~/.cache/kvpush/kernels/<hash of source, flags, compiler, CPU>.so`) and
+loaded with ctypes: no torch headers, so the build takes about a second. Where it cannot be built
+or loaded (no C compiler, another OS), `paged_decode_kernel()` returns None and attention keeps the
+gather + SDPA path, with one log line; a forward never mixes the two for the rows of one batch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from kvpush.config import c_compiler, user_cache_dir
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("paged_decode.c")
+FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-fPIC"]  # compile step
+# Linked in a second step without -ffast-math: linking with it adds crtfastmath.o, whose constructor
+# turns on flush-to-zero for the whole process when the library loads (found by a hypothesis test
+# that saw subnormals become 0). libmvec serves the vectorised expf that -ffast-math calls.
+LINK = ["-shared", "-lmvec", "-lm"]
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+
+
+class PagedDecode:
+    """The loaded kernel. Call with contiguous CPU fp32 q [B, H, hd], the cache's kv tensor, an int64
+    block table [B, nb] and lengths [B]; returns [B, H, hd]."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.fn = lib.kvpush_paged_decode
+        self.fn.restype = ctypes.c_int
+        self.fn.argtypes = [_PTR] * 5 + [_I64] * 8 + [ctypes.c_float]
+
+    def __call__(self, q: torch.Tensor, kv: torch.Tensor, table: torch.Tensor, lens: torch.Tensor,
+                 layer: int, scale: float) -> torch.Tensor:
+        b, h, d = q.shape
+        _, num_layers, _, block_size, kvh, _ = kv.shape
+        out = torch.empty_like(q)
+        rc = self.fn(q.data_ptr(), kv.data_ptr(), table.data_ptr(), lens.data_ptr(), out.data_ptr(),
+                     b, h, kvh, d, num_layers, block_size, table.shape[1], layer, scale)
+        if rc != 0:
+            raise MemoryError("paged_decode: no memory for its score rows")
+        return out
+
+
+def _cpu_signature() -> str:
+    try:
+        return next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return platform.processor()
+
+
+def _build(target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        obj, out = Path(tmp) / "kernel.o", Path(tmp) / target.name
+        for argv in ([*FLAGS, "-c", str(SOURCE), "-o", str(obj)], [str(obj), "-o", str(out), *LINK]):
+            subprocess.run([c_compiler(), *argv], check=True, capture_output=True, text=True, timeout=120)
+        os.replace(out, target)  # atomic: processes building at once each install a whole file
+
+
+@functools.cache
+def paged_decode_kernel() -> PagedDecode | None:
+    """The kernel, built or loaded once per process; None where it cannot be (logged once)."""
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, *LINK, c_compiler(), platform.machine(),
+                                    _cpu_signature()]).encode()).hexdigest()[:16]
+    target = Path(user_cache_dir("kernels")) / f"paged_decode-{key}.so"
+    try:
+        if not target.exists():
+            _build(target)
+        return PagedDecode(ctypes.CDLL(str(target)))
+    except (OSError, subprocess.SubprocessError) as e:
+        detail = getattr(e, "stderr", None) or str(e)
+        log.warning("CPU decode-attention kernel unavailable (%s); decode attention gathers blocks instead",
+                    detail.strip().splitlines()[0] if detail.strip() else type(e).__name__)
+        return None

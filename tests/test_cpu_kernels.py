@@ -1,0 +1,94 @@
+"""The CPU decode-attention kernel (kvpush/layers/cpu_kernels.py): equal to gather + SDPA over the
+paged cache, harmless to the process's floating point, optional where no C compiler builds it."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_engine import generate, prompts
+
+from kvpush.config import CacheConfig, CompileMode, EngineConfig, ModelConfig
+from kvpush.engine.engine import LLMEngine
+from kvpush.engine.sampling_params import SamplingParams
+from kvpush.layers.cpu_kernels import paged_decode_kernel
+
+kernel = paged_decode_kernel()
+needs_kernel = pytest.mark.skipif(kernel is None, reason="no C compiler built the kernel here")
+
+
+def reference(q, kv, table, lens, layer, scale):
+    """gather + SDPA, as layers/attention.py does without the kernel. q: [B, H, hd] -> [B, H, hd]"""
+    b, nb = table.shape
+    _, _, _, bs, kvh, hd = kv.shape
+    k = kv[:, layer, 0][table.flatten()].view(b, nb * bs, kvh, hd).transpose(1, 2)
+    v = kv[:, layer, 1][table.flatten()].view(b, nb * bs, kvh, hd).transpose(1, 2)
+    mask = (torch.arange(nb * bs)[None, :] < lens[:, None])[:, None, None, :]
+    return F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale,
+                                          enable_gqa=True).squeeze(2)
+
+
+@needs_kernel
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(6, 3, 64, 16), (4, 4, 32, 4), (8, 2, 128, 8)])
+def test_kernel_equals_gather_and_sdpa(heads, kv_heads, head_dim, block_size):
+    g = torch.Generator().manual_seed(heads * 100 + head_dim)
+    num_blocks, layers = 64, 3
+    kv = torch.randn(num_blocks, layers, 2, block_size, kv_heads, head_dim, generator=g)
+    lens = torch.tensor([1, block_size, block_size + 1, 5 * block_size - 1, 7 * block_size], dtype=torch.long)
+    nb = -(-int(lens.max()) // block_size)
+    # distinct blocks per sequence, padded past each length with block 0 as the runner does
+    table = torch.stack([torch.randperm(num_blocks, generator=g)[:nb] for _ in lens])
+    for i, n in enumerate(lens.tolist()):
+        table[i, -(-n // block_size):] = 0
+    q = torch.randn(len(lens), heads, head_dim, generator=g)
+    for layer in range(layers):
+        out = kernel(q, kv, table, lens, layer, head_dim**-0.5)
+        torch.testing.assert_close(out, reference(q, kv, table, lens, layer, head_dim**-0.5), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_loading_it_keeps_subnormals():
+    """The library is compiled with -ffast-math but must not switch the process to flush-to-zero."""
+    assert 5e-324 * 1.0 != 0.0
+    assert (torch.tensor(1e-39) * 0.5).item() != 0.0
+
+
+@needs_kernel
+def test_engine_greedy_with_kernel_equals_gather_path(tiny_model):
+    eng = LLMEngine(EngineConfig(ModelConfig(tiny_model), CacheConfig(block_size=4, num_blocks=256),
+                                 compile=CompileMode.OFF))
+    other = LLMEngine(dataclasses.replace(eng.config))
+    assert eng.runner.decode_kernel is not None
+    other.runner.decode_kernel = None
+    ps = prompts(eng.arch.vocab_size, (1, 4, 7, 13, 30, 61))
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    assert generate(eng, ps, params) == generate(other, ps, params)
+
+
+SCRIPT = """
+import logging, sys
+logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
+from kvpush.config import CacheConfig, CompileMode, EngineConfig, ModelConfig
+from kvpush.engine.engine import LLMEngine
+from kvpush.engine.sampling_params import SamplingParams
+eng = LLMEngine(EngineConfig(ModelConfig(sys.argv[1]), CacheConfig(num_blocks=32), compile=CompileMode.OFF))
+eng.add_request("a", [5, 6, 7], SamplingParams(max_tokens=3, temperature=0))
+while eng.has_unfinished():
+    eng.step()
+print("SERVED kernel=%s" % (eng.runner.decode_kernel is not None))
+"""
+
+
+def test_without_a_c_compiler_attention_gathers(tiny_model, tmp_path):
+    env = {**os.environ, "CC": str(tmp_path / "no-such-cc"), "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, tiny_model], env=env, capture_output=True, text=True,
+                          timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "SERVED kernel=False" in out
+    assert len([line for line in out.splitlines() if "decode attention gathers blocks instead" in line]) == 1, out
