@@ -117,16 +117,38 @@ def _prefill_one(q, k, v, seq: PrefillSeq, layer: int, cache: KVCache, scale: fl
     rows = slice(seq.start, seq.start + seq.query_len)
     qi = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, q, hd]
     if seq.context_len == seq.query_len:  # no earlier context: attend over the fresh K/V directly
-        ki, vi, mask = k[rows], v[rows], None
+        ki, vi = k[rows], v[rows]
     else:
         ki, vi = cache.gather(layer, seq.block_table)  # [nb * bs, kvh, hd]
         ki, vi = ki[: seq.context_len], vi[: seq.context_len]
-        mask = _chunk_mask(seq.query_len, seq.context_len, q.device)
     ki = ki.transpose(0, 1).unsqueeze(0)  # [1, kvh, ctx, hd]
     vi = vi.transpose(0, 1).unsqueeze(0)
-    o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, is_causal=mask is None, scale=scale,
-                                       enable_gqa=True)
+    if seq.context_len == seq.query_len and not QUERY_SPLIT[0] <= seq.query_len < QUERY_SPLIT[1]:
+        o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        o = _causal_by_query_rows(qi, ki, vi, seq.context_len - seq.query_len, scale)
     return o.squeeze(0).transpose(0, 1)
+
+
+# Fresh causal prefills of this many query rows attend in QUERY_ROWS-row pieces, each over the keys up
+# to its last row; with earlier context (an explicit mask, which SDPA cannot skip) every length does.
+# torch's CPU flash kernel skips the masked half of a causal product only in its query-split
+# granularity; measured (one thread, 6 heads over 3, head size 64, alternating, medians of 7): 512
+# fresh rows 3.49 -> 2.85 ms, 256 rows 0.86 -> 0.81; 1,024 rows 10.5 -> 11.7 (its own split wins).
+QUERY_SPLIT = (256, 768)
+QUERY_ROWS = 64
+
+
+def _causal_by_query_rows(qi, ki, vi, offset: int, scale: float) -> torch.Tensor:
+    """qi: [1, H, q, hd], ki, vi: [1, kvh, offset + q, hd]; query row r sits at position offset + r.
+    -> [1, H, q, hd]"""
+    qlen, parts = qi.shape[2], []
+    for s in range(0, qlen, QUERY_ROWS):
+        e = min(s + QUERY_ROWS, qlen)
+        mask = _chunk_mask(e - s, offset + e, qi.device)
+        parts.append(F.scaled_dot_product_attention(qi[:, :, s:e], ki[:, :, : offset + e], vi[:, :, : offset + e],
+                                                    attn_mask=mask, scale=scale, enable_gqa=True))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
 
 
 def _chunk_mask(qlen: int, ctx: int, device: torch.device) -> torch.Tensor:
