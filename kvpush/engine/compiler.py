@@ -4,7 +4,7 @@
 token count as a symbolic size (dim 0 of input_ids and positions), so the same graph serves every
 batch of two or more tokens; a one-token batch (one decoding sequence) gets its own graph, as
 dynamo specialises sizes 0 and 1. Paged attention is one opaque op inside the graph (its gather +
-SDPA beat an inductor-generated decode kernel here), as is each oneDNN-packed linear. One graph
+SDPA beat an inductor-generated decode kernel here). One graph
 per forward, not one per layer piece: the guard check and the graph call cost ~0.3 ms per call on
 one core, which 16 piece calls a step made larger than the fusion gained for decode batches.
 The warm-up runs a two-token and a one-token batch, so a running server does not compile again:

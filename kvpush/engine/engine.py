@@ -51,7 +51,7 @@ class EngineOutput:
 class LLMEngine:
     def __init__(self, config: EngineConfig, connector: KVConnector | None = None) -> None:
         self.config = config
-        apply_native_cache_environment()  # before the first oneDNN operation (packing the weights)
+        apply_native_cache_environment()  # before the first oneDNN operation
         torch.set_num_threads(config.torch_threads)
         self.device = resolve_device(config.model.device)  # DeviceError: e.g. cuda on a machine without
         self.model, self.arch, self.dtype = load_model(config.model.model, config.model.dtype, str(self.device))

