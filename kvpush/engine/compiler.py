@@ -3,9 +3,9 @@
 `decoder_layers` (models/decoder.py: embedding and every layer) compiles into one graph with the
 token count as a symbolic size (dim 0 of input_ids and positions), so the same graph serves every
 batch of two or more tokens; a one-token batch (one decoding sequence) gets its own graph, as
-dynamo specialises sizes 0 and 1. Paged attention is one opaque op inside the graph (its gather +
-SDPA beat an inductor-generated decode kernel here). One graph
-per forward, not one per layer piece: the guard check and the graph call cost ~0.3 ms per call on
+dynamo specialises sizes 0 and 1. Paged attention is one opaque op inside the graph (its own
+kernels - the CPU decode kernel, SDPA - beat inductor-generated attention here). One graph per
+forward, not one per layer piece: the guard check and the graph call cost ~0.3 ms per call on
 one core, which 16 piece calls a step made larger than the fusion gained for decode batches.
 The warm-up runs a two-token and a one-token batch, so a running server does not compile again:
 `num_graphs` counts graphs compiled in this process (an engine stat and a metric).
@@ -27,8 +27,6 @@ from kvpush.models.decoder import CausalLM, decoder_layers
 
 log = logging.getLogger(__name__)
 
-# Batches of fewer tokens run eagerly (1: every batch runs compiled).
-COMPILED_MIN_TOKENS = 1
 WARM_UP_TOKENS = (2, 1)  # one forward per graph: the symbolic token count, and the one-token batch
 RECOMPILE_LIMIT = 64  # graphs of decoder_layers; engines in one process (tests) each add a few
 _num_graphs = 0
@@ -78,7 +76,6 @@ def compile_model(model: CausalLM, mode: CompileMode, warm_up: Callable[[int], N
     # size (duck shaping) and the graph specialised to it: every other count would recompile.
     torch.fx.experimental._config.use_duck_shape = False
     model.compiled_layers = _compile(decoder_layers)
-    model.compiled_min_tokens = COMPILED_MIN_TOKENS
     try:
         for tokens in WARM_UP_TOKENS:
             warm_up(tokens)

@@ -119,14 +119,8 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        # decoder_layers compiled (engine/compiler.py), used for batches of at least compiled_min_tokens
+        # decoder_layers compiled (engine/compiler.py); when set, every forward runs it
         self.compiled_layers: Callable[[CausalLM, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
-        self.compiled_min_tokens = 1
-
-    def layers_for(self, num_tokens: int) -> Callable[[CausalLM, torch.Tensor, torch.Tensor], torch.Tensor]:
-        if self.compiled_layers is not None and num_tokens >= self.compiled_min_tokens:
-            return self.compiled_layers
-        return decoder_layers
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, cache: KVCache, logit_rows: torch.Tensor,
                 layer_hook: Callable[[int], None] | None = None) -> torch.Tensor:
@@ -135,5 +129,5 @@ class CausalLM(nn.Module):
         layer_hook(l) runs right after layer l wrote its K/V to the cache (layer-wise push).
         """
         with forward_context(meta, cache, layer_hook):
-            x = self.layers_for(input_ids.shape[0])(self, input_ids, positions)  # [T, hidden]
+            x = (self.compiled_layers or decoder_layers)(self, input_ids, positions)  # [T, hidden]
         return self.lm_head(self.model.norm(x[logit_rows])).float()
