@@ -148,3 +148,60 @@ def test_ratio_verdicts_follow_the_interval(tmp_path: Path):
     assert "cannot tell" in _cells(_section(same, "1")[-1])[3]
     worse = format_table([run("push", rng.normal(0.25, 0.02, 200)), run("pull", rng.normal(0.2, 0.02, 200))])
     assert "pull better" in _cells(_section(worse, "1")[-1])[3]
+
+
+def _seeded_run(mode: str, seed: int, ttfts, failed: tuple[int, ...] = ()) -> dict:
+    recs = [RequestRecord(index=i, prompt_len=1, output_len=1, success=i not in failed,
+                          ttft_s=None if i in failed else float(t), e2el_s=float(t), output_tokens=1)
+            for i, t in enumerate(ttfts)]
+    return {"config": {"mode": mode, "request_rate": 1.0}, "run": {"sample_seed": seed},
+            "metrics": msgspec.to_builtins(compute_metrics(recs, 10.0, 1.0)), "requests": msgspec.to_builtins(recs)}
+
+
+def test_paired_groups_match_prompt_sets_and_requests():
+    from kvpush.bench.report import paired_groups
+
+    push = [_seeded_run("push", 1, [1.0, 2.0, 3.0], failed=(1,)), _seeded_run("push", 2, [4.0, 5.0])]
+    pull = [_seeded_run("pull", 2, [6.0, 7.0]), _seeded_run("pull", 1, [8.0, 9.0, 10.0], failed=(2,))]
+    # matched by seed, then by index; a request that failed on either side drops out of its pair
+    assert paired_groups(push, pull, "ttft") == [([1000.0], [8000.0]), ([4000.0, 5000.0], [6000.0, 7000.0])]
+    assert paired_groups(push, [pull[0], _seeded_run("pull", 3, [1.0])], "ttft") is None  # other prompts
+    assert paired_groups(push[:1], pull[1:], "ttft") is None  # one prompt set: no repeats to resample
+    twice = [_seeded_run("push", 1, [1.0]), _seeded_run("push", 1, [1.0])]
+    assert paired_groups(twice, pull, "ttft") is None
+
+
+def test_paired_interval_uses_the_shared_prompts():
+    """Same prompts, push 3% faster on every request, prompts spread 10x wider than that: the paired
+    interval sees the 3% (push better); a pooled one would not (the unpaired interval spans 1)."""
+    import numpy as np
+
+    from kvpush.bench.report import mode_ratio_ci
+    from kvpush.bench.stats import p99, ratio_ci
+
+    rng = np.random.default_rng(1)
+    base = [rng.lognormal(np.log(0.2), 0.5, 50) for _ in range(4)]
+    noise = [rng.normal(1.0, 0.002, 50) for _ in range(4)]
+    push = [_seeded_run("push", s, b * 0.97 * n) for s, (b, n) in enumerate(zip(base, noise, strict=True))]
+    pull = [_seeded_run("pull", s, b) for s, b in enumerate(base)]
+    est, lo, hi = mode_ratio_ci(push, pull, "ttft", p99)
+    assert hi < 1.0 and abs(est - 0.97) < 0.01
+    pooled = [float(t) for b in base for t in b]
+    _, ulo, uhi = ratio_ci([t * 0.97 for t in pooled], pooled, stat=p99)
+    assert ulo < 1.0 < uhi
+
+
+def test_paired_interval_carries_drift_between_repeats():
+    """Each repeat agrees with itself, but the repeats disagree (push 20% better in two, 20% worse in
+    two, as a machine drifting between runs would make it): the interval spans 1."""
+    import numpy as np
+
+    from kvpush.bench.report import mode_ratio_ci
+    from kvpush.bench.stats import p50
+
+    rng = np.random.default_rng(2)
+    base = [rng.normal(0.2, 0.01, 50) for _ in range(4)]
+    push = [_seeded_run("push", s, b * f) for s, (b, f) in enumerate(zip(base, (0.8, 1.25, 0.8, 1.25), strict=True))]
+    pull = [_seeded_run("pull", s, b) for s, b in enumerate(base)]
+    _, lo, hi = mode_ratio_ci(push, pull, "ttft", p50)
+    assert lo < 1.0 < hi

@@ -27,8 +27,8 @@ from typing import Any
 import numpy as np
 
 from kvpush.bench import cli as bench_cli
-from kvpush.bench.report import request_values
-from kvpush.bench.stats import Stat, fmt_ci, p50, p99, ratio_ci, verdict
+from kvpush.bench.report import mode_ratio_ci, request_values
+from kvpush.bench.stats import Stat, fmt_ci, p50, p99, verdict
 from kvpush.bench.suite import Fleet, SuiteConfig, bench_args, measure_capacity
 
 MODES = ("colocated", "pull", "push", "push-layerwise", "auto")
@@ -125,10 +125,11 @@ def _pct(values: list[float], stat: Stat) -> float | None:
     return float(stat(np.asarray(values))) if values else None
 
 
-def _ratio(a: list[float], b: list[float], stat: Stat, a_name: str, b_name: str) -> dict[str, Any] | None:
-    if len(a) < 2 or len(b) < 2:
+def _ratio(a: list[dict], b: list[dict], metric: str, stat: Stat, a_name: str, b_name: str) -> dict[str, Any] | None:
+    ci = mode_ratio_ci(a, b, metric, stat)
+    if ci is None:
         return None
-    est, lo, hi = ratio_ci(a, b, stat=stat)
+    est, lo, hi = ci
     return {"ratio": est, "lo": lo, "hi": hi, "verdict": verdict(lo, hi, a_name, b_name), "text": fmt_ci(est, lo, hi)}
 
 
@@ -144,19 +145,19 @@ def summarize(cell: Cell, rate: float, runs: dict[str, list[dict]], routes: dict
                  "tpot_p50_ms": _pct(tpot[m], p50)} for m, docs in runs.items()}
     out: dict[str, Any] = {"cell": asdict(cell), "name": cell.name, "rate": rate, "modes": modes, "routes": routes}
     if "push" in runs and "pull" in runs:
-        out["push_vs_pull"] = {"ttft_p50": _ratio(ttft["push"], ttft["pull"], p50, "push", "pull"),
-                               "ttft_p99": _ratio(ttft["push"], ttft["pull"], p99, "push", "pull"),
-                               "tpot_p50": _ratio(tpot["push"], tpot["pull"], p50, "push", "pull")}
+        out["push_vs_pull"] = {"ttft_p50": _ratio(runs["push"], runs["pull"], "ttft", p50, "push", "pull"),
+                               "ttft_p99": _ratio(runs["push"], runs["pull"], "ttft", p99, "push", "pull"),
+                               "tpot_p50": _ratio(runs["push"], runs["pull"], "tpot", p50, "push", "pull")}
     fixed = [m for m in FIXED if m in runs and modes[m]["ttft_p50_ms"] is not None]
     if "auto" in runs and fixed:
         best = min(fixed, key=lambda m: float(modes[m]["ttft_p50_ms"] or 0.0))
         out["auto_vs_best"] = {"best": best,
-                               "ttft_p50": _ratio(ttft["auto"], ttft[best], p50, "auto", best),
-                               "ttft_p99": _ratio(ttft["auto"], ttft[best], p99, "auto", best),
-                               "tpot_p50": _ratio(tpot["auto"], tpot[best], p50, "auto", best)}
-        out["auto_vs_each"] = {m: {"ttft_p50": _ratio(ttft["auto"], ttft[m], p50, "auto", m),
-                                   "ttft_p99": _ratio(ttft["auto"], ttft[m], p99, "auto", m),
-                                   "tpot_p50": _ratio(tpot["auto"], tpot[m], p50, "auto", m)} for m in fixed}
+                               "ttft_p50": _ratio(runs["auto"], runs[best], "ttft", p50, "auto", best),
+                               "ttft_p99": _ratio(runs["auto"], runs[best], "ttft", p99, "auto", best),
+                               "tpot_p50": _ratio(runs["auto"], runs[best], "tpot", p50, "auto", best)}
+        out["auto_vs_each"] = {m: {"ttft_p50": _ratio(runs["auto"], runs[m], "ttft", p50, "auto", m),
+                                   "ttft_p99": _ratio(runs["auto"], runs[m], "ttft", p99, "auto", m),
+                                   "tpot_p50": _ratio(runs["auto"], runs[m], "tpot", p50, "auto", m)} for m in fixed}
     return out
 
 

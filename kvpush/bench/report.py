@@ -4,8 +4,11 @@ Runs are grouped by ``(config.request_rate, config.mode)``. Repeats of one group
 rate, e.g. alternating push/pull runs) are combined by taking the median of each metric over the
 repeats; the ``runs`` column says how many there were. Ratios are ``push / pull`` of those values:
 below 1 push is better for latencies, above 1 push is better for throughputs. TTFT and TPOT ratios
-carry a 95% bootstrap interval over the pooled requests of both modes and a verdict: "push better",
-"pull better", or "cannot tell" when the interval spans 1.
+carry a 95% bootstrap interval and a verdict: "push better", "pull better", or "cannot tell" when the
+interval spans 1. When both modes ran the same prompt sets (alternating repeats with one sample seed
+each, as benchmarks/push_vs_pull.py does) the interval is paired: requests are matched by prompt
+within a repeat and the repeats are resampled too; otherwise the pooled requests of each mode are
+resampled independently.
 
 The critical-path plot stacks, per mode and rate, the same four phases (to prefill, prefill,
 handover, to client; see ``kvpush.bench.trace``) so that each bar is the mean TTFT; work that
@@ -22,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpush.bench.metrics import TRACE_EVENTS
-from kvpush.bench.stats import fmt_ci, p50, p99, ratio_ci, verdict
+from kvpush.bench.stats import Stat, clustered_ratio_ci, fmt_ci, p50, p99, ratio_ci, verdict
 from kvpush.bench.trace import PHASES
 
 MODE_ORDER = ("push", "pull", "colocated")
@@ -111,31 +114,78 @@ def _row(mode: str, runs: Sequence[Run]) -> str:
     return f"| {mode} | {len(runs)} | {done}/{failed} | " + " | ".join(cells) + f" | {sat_cell} |"
 
 
-def request_values(runs: Sequence[Run], metric: str) -> list[float]:
-    """Per-request TTFT or TPOT (ms) of the successful requests of ``runs``, pooled."""
-    out = []
-    for run in runs:
-        for r in run.get("requests") or []:
-            if not isinstance(r, dict) or not r.get("success") or r.get("ttft_s") is None:
-                continue
-            if metric == "ttft":
-                out.append(float(r["ttft_s"]) * 1000.0)
-            elif int(r.get("output_tokens") or 0) >= 2 and r.get("e2el_s") is not None:
-                out.append((float(r["e2el_s"]) - float(r["ttft_s"])) / (int(r["output_tokens"]) - 1) * 1000.0)
+def _request_value(r: Any, metric: str) -> float | None:
+    """One request's TTFT or TPOT (ms), or None if it failed or has no such value."""
+    if not isinstance(r, dict) or not r.get("success") or r.get("ttft_s") is None:
+        return None
+    if metric == "ttft":
+        return float(r["ttft_s"]) * 1000.0
+    if int(r.get("output_tokens") or 0) >= 2 and r.get("e2el_s") is not None:
+        return (float(r["e2el_s"]) - float(r["ttft_s"])) / (int(r["output_tokens"]) - 1) * 1000.0
+    return None
+
+
+def _values_by_index(run: Run, metric: str) -> dict[int, float]:
+    """Request index -> TTFT or TPOT (ms) of the successful requests of one run."""
+    out = {}
+    for k, r in enumerate(run.get("requests") or []):
+        value = _request_value(r, metric)
+        if value is not None:
+            out[int(r.get("index", k))] = value
     return out
 
 
+def request_values(runs: Sequence[Run], metric: str) -> list[float]:
+    """Per-request TTFT or TPOT (ms) of the successful requests of ``runs``, pooled."""
+    return [v for run in runs for v in _values_by_index(run, metric).values()]
+
+
+def _prompt_set(run: Run) -> Any:
+    """What identifies a run's prompts and arrival times: its sample seed (None if not recorded)."""
+    info = run.get("run")
+    return info.get("sample_seed") if isinstance(info, dict) else None
+
+
+def paired_groups(a: Sequence[Run], b: Sequence[Run], metric: str) -> list[tuple[list[float], list[float]]] | None:
+    """One group per prompt set both sides ran (same ``run.sample_seed``, once per side): the values
+    of the requests that succeeded in both, paired by request index. None when the runs do not pair
+    up that way (different seeds, a seed run twice, no seed recorded, fewer than two sets)."""
+    seeds_a, seeds_b = [_prompt_set(r) for r in a], [_prompt_set(r) for r in b]
+    if None in seeds_a or len(set(seeds_a)) != len(seeds_a) or sorted(seeds_a) != sorted(seeds_b) or len(a) < 2:
+        return None
+    by_seed = {_prompt_set(r): r for r in b}
+    groups = []
+    for run in a:
+        x, y = _values_by_index(run, metric), _values_by_index(by_seed[_prompt_set(run)], metric)
+        both = sorted(x.keys() & y.keys())
+        groups.append(([x[i] for i in both], [y[i] for i in both]))
+    return groups
+
+
+def mode_ratio_ci(a: Sequence[Run], b: Sequence[Run], metric: str, stat: Stat) -> tuple[float, float, float] | None:
+    """``stat`` of mode a's requests / mode b's with a 95% bootstrap interval: paired by prompt within
+    repeats, and repeats resampled too, when the runs share prompt sets (``paired_groups``); else over
+    the pooled requests of each side independently. None without values on both sides."""
+    groups = paired_groups(a, b, metric)
+    if groups is not None and sum(len(x) for x, _ in groups) >= 2:
+        return clustered_ratio_ci(groups, stat=stat)
+    x, y = request_values(a, metric), request_values(b, metric)
+    if len(x) < 2 or len(y) < 2:
+        return None
+    return ratio_ci(x, y, stat=stat)
+
+
 def _ratio_cell(push: Sequence[Run], pull: Sequence[Run], key: str) -> str:
-    """push/pull of one column; for TTFT and TPOT percentiles with a 95% bootstrap interval over
-    the pooled requests and a verdict ("cannot tell" when the interval spans 1)."""
+    """push/pull of one column; for TTFT and TPOT percentiles with a 95% bootstrap interval
+    (``mode_ratio_ci``) and a verdict ("cannot tell" when the interval spans 1)."""
     plain = _fmt(ratio(median_metric(push, key), median_metric(pull, key)), 3)
     metric = "ttft" if "_ttft_" in key else "tpot" if "_tpot_" in key else None
     if metric is None:
         return plain
-    a, b = request_values(push, metric), request_values(pull, metric)
-    if not a or not b:
+    ci = mode_ratio_ci(push, pull, metric, p99 if key.startswith("p99") else p50)
+    if ci is None:
         return plain
-    est, lo, hi = ratio_ci(a, b, stat=p99 if key.startswith("p99") else p50)
+    est, lo, hi = ci
     return f"{fmt_ci(est, lo, hi)} {verdict(lo, hi)}"
 
 
