@@ -65,6 +65,7 @@ class ModelConfig:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "cpu"
     max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings
+    huge_pages: bool = True  # CPU weights on transparent huge pages (models/loader.py: pack_on_huge_pages)
 
 
 @dataclass(frozen=True)

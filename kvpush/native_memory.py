@@ -1,4 +1,5 @@
-"""Native memory of the engine process: hand freed heap memory back to the OS once the engine is idle.
+"""Native memory of the engine process: hand freed heap memory back to the OS once the engine is idle,
+and put the long-lived buffers (weights, KV cache) on transparent huge pages.
 
 Why: every step allocates activation tensors whose sizes follow the batch (a prefill of 1,100 tokens,
 then one of 260, ...). glibc's malloc keeps what such bursts freed inside its heaps, so a prefill
@@ -19,6 +20,10 @@ import logging
 import mmap
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("kvpush.native_memory")
 
@@ -93,3 +98,20 @@ def advise_huge_pages(address: int, nbytes: int) -> bool:
     if end <= start or _MADVISE is None:
         return False
     return _MADVISE(start, end - start, MADV_HUGEPAGE) == 0
+
+
+HUGE_PAGE = 2 << 20  # x86-64 and arm64 (4 KiB base pages) transparent huge page size
+
+
+def huge_page_arena(nbytes: int) -> torch.Tensor:
+    """An untouched uint8 CPU buffer of `nbytes` whose start is huge-page aligned, advised for
+    transparent huge pages (where Linux grants them; 4 KiB pages otherwise, with the same contents).
+    Carve tensors out of it with views; the views keep the allocation alive."""
+    import torch  # not at module level: the engine core's step loop imports this module too
+
+    raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)  # [nbytes + 2 MiB]
+    start = -(-raw.data_ptr() // HUGE_PAGE) * HUGE_PAGE - raw.data_ptr()
+    arena = raw[start:start + nbytes]  # [nbytes]
+    if not advise_huge_pages(arena.data_ptr(), nbytes):
+        log.debug("no transparent huge pages here: 4 KiB pages")
+    return arena

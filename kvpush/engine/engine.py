@@ -54,7 +54,8 @@ class LLMEngine:
         apply_native_cache_environment()  # before the first oneDNN operation
         torch.set_num_threads(config.torch_threads)
         self.device = resolve_device(config.model.device)  # DeviceError: e.g. cuda on a machine without
-        self.model, self.arch, self.dtype = load_model(config.model.model, config.model.dtype, str(self.device))
+        self.model, self.arch, self.dtype = load_model(config.model.model, config.model.dtype, str(self.device),
+                                                          huge_pages=config.model.huge_pages)
         self.max_model_len = min(config.model.max_model_len or self.arch.max_position_embeddings,
                                  self.arch.max_position_embeddings)
         self.layout = self._layout()

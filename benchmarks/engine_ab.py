@@ -1,0 +1,117 @@
+"""A/B of two engine variants on the same checkpoint, in one process, alternating: is a change faster?
+
+    python benchmarks/engine_ab.py --a huge_pages=off --b huge_pages=on [--repeats 9]
+                                   [--workloads decode1 decode16 prefill512] [--model DIR]
+
+Builds one LLMEngine per variant (settings: `compile=on|off|auto`, `huge_pages=on|off`), then per
+repeat runs every workload on both engines, the order alternating between repeats, so that the
+machine's drift (+-15% here from one minute to the next) hits both alike. Workloads: `decodeN`
+(N sequences of 64 prompt tokens decode 32 steps together; ms per step), `prefillN` (one N-token
+prompt; ms). Prints per workload the median of each variant and B/A with a 95% bootstrap interval
+over the repeats (paired: repeat k of A with repeat k of B) and a verdict ("cannot tell" when the
+interval spans 1). One torch thread, the bench preset by default (made if missing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from kvpush.bench.stats import fmt_ci, p50, ratio_ci, verdict
+from kvpush.config import (
+    CacheConfig,
+    CompileMode,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    default_model_dir,
+)
+from kvpush.demo import ensure_model
+from kvpush.engine.engine import LLMEngine
+from kvpush.engine.sampling_params import SamplingParams
+
+SETTINGS = {"compile": ("on", "off", "auto"), "huge_pages": ("on", "off")}
+DECODE_STEPS = 32
+
+
+def variant(text: str) -> dict[str, str]:
+    """`key=value[,key=value]` -> settings; argparse error on an unknown key or value."""
+    out = {}
+    for part in filter(None, text.split(",")):
+        key, _, value = part.partition("=")
+        if value not in SETTINGS.get(key, ()):
+            raise argparse.ArgumentTypeError(f"{part!r}: expected one of " + ", ".join(
+                f"{k}={'|'.join(v)}" for k, v in SETTINGS.items()))
+        out[key] = value
+    return out
+
+
+def build(model: str, settings: dict[str, str]) -> LLMEngine:
+    return LLMEngine(EngineConfig(
+        ModelConfig(model, huge_pages=settings.get("huge_pages", "on") == "on"),
+        CacheConfig(num_blocks=2048, enable_prefix_caching=False),
+        SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=4096),
+        compile=CompileMode(settings.get("compile", "auto"))))
+
+
+def prompt(n: int, seed: int, vocab: int) -> list[int]:
+    return torch.randint(10, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def run_workload(eng: LLMEngine, name: str, seed: int) -> float:
+    """ms per decode step (decodeN) or per prefill (prefillN)."""
+    kind, n = name.rstrip("0123456789"), int(name[len(name.rstrip("0123456789")):])
+    vocab = eng.arch.vocab_size
+    if kind == "prefill":
+        eng.add_request(f"p{seed}-{n}", prompt(n, seed, vocab), SamplingParams(max_tokens=1, temperature=0))
+    else:
+        params = SamplingParams(max_tokens=DECODE_STEPS + 1, temperature=0, ignore_eos=True)
+        for i in range(n):
+            eng.add_request(f"d{seed}-{n}-{i}", prompt(64, seed * 100 + i, vocab), params)
+        eng.step()  # the prefill of the whole batch (not timed)
+    start = time.perf_counter()
+    while eng.has_unfinished():
+        eng.step()
+    elapsed_ms = (time.perf_counter() - start) * 1e3
+    return elapsed_ms if kind == "prefill" else elapsed_ms / DECODE_STEPS
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--a", type=variant, required=True, help="variant A, e.g. huge_pages=off")
+    ap.add_argument("--b", type=variant, required=True, help="variant B, e.g. huge_pages=on")
+    ap.add_argument("--workloads", nargs="+", default=["decode1", "decode16", "prefill512"])
+    ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--model", default=None, help="checkpoint (default: the bench preset, made if missing)")
+    args = ap.parse_args()
+    for w in args.workloads:
+        kind = w.rstrip("0123456789")
+        if kind not in ("decode", "prefill") or kind == w or int(w[len(kind):]) < 1:
+            ap.error(f"workload {w!r}: expected decodeN or prefillN (N >= 1)")
+    if args.repeats < 3:
+        ap.error("--repeats must be >= 3 (an interval needs a few)")
+    torch.set_num_threads(1)
+    model = args.model or ensure_model(default_model_dir(), "bench")
+    engines = {"A": build(model, args.a), "B": build(model, args.b)}
+    times: dict[tuple[str, str], list[float]] = {(v, w): [] for v in engines for w in args.workloads}
+    for rep in range(args.repeats):
+        order = ["A", "B"] if rep % 2 == 0 else ["B", "A"]
+        for w in args.workloads:
+            for v in order:
+                times[(v, w)].append(run_workload(engines[v], w, rep))
+    print(f"\nA = {args.a or 'defaults'}, B = {args.b or 'defaults'}; {model}, one torch thread, "
+          f"{args.repeats} repeats alternating\n")
+    print("| workload | A ms (median) | B ms (median) | B/A [95% CI] | verdict |")
+    print("|---|---|---|---|---|")
+    for w in args.workloads:
+        a, b = times[("A", w)], times[("B", w)]
+        est, lo, hi = ratio_ci(b, a, stat=p50, paired=True)
+        print(f"| {w} | {statistics.median(a):.2f} | {statistics.median(b):.2f} | {fmt_ci(est, lo, hi)} | "
+              f"{verdict(lo, hi, 'B', 'A')} |")
+
+
+if __name__ == "__main__":
+    main()
