@@ -1,7 +1,8 @@
 """The proxy and draining instances, against fake instances in this process (aiohttp, loopback): a
 leg refused with code "draining" goes to another instance and the draining one is never chosen again;
 a decode instance that cannot be connected to is skipped the same way; an instance whose kv_info says
-it drains is not chosen. The real servers are in test_drain.py."""
+it drains is not chosen; a client closing once it read [DONE] is no error. The real servers are in
+test_drain.py."""
 
 from __future__ import annotations
 
@@ -58,6 +59,8 @@ class Fake:
         self.plain += "kv_transfer_params" not in body
         if self.role == "decode" and "kv_transfer_params" in body:
             await asyncio.sleep(self.leg_delay_s)
+        if self.role == "decode" and body.get("stream"):
+            return await self.stream(request)
         if self.role == "decode":
             return web.json_response({"choices": [{"index": 0, "text": f"from {self.port}", "finish_reason": "length"}]})
         leg = body["kv_transfer_params"]
@@ -66,6 +69,15 @@ class Fake:
                                   block_ids=[1] if self.mode == "pull" else [], first_token_id=5,
                                   lease_expiry=time.time() + 30 if self.mode == "pull" else None)
         return web.json_response({"choices": [{"text": "x", "kv_transfer_params": kp.params_to_dict(result)}]})
+
+    async def stream(self, request: web.Request) -> web.StreamResponse:
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        for text in ("a", "b"):
+            await out.write(b"data: " + json.dumps({"choices": [{"index": 0, "text": text}]}).encode() + b"\n\n")
+        await out.write(b"data: [DONE]\n\n")
+        await out.write_eof()
+        return out
 
     async def stop(self) -> None:
         if self.runner is not None:
@@ -202,3 +214,37 @@ def test_auto_serves_locally_when_the_only_prefill_sheds_or_is_gone():
             await teardown(proxy, runner, [d2])
 
     asyncio.run(main())
+
+
+def test_a_client_closing_after_done_is_no_error(monkeypatch, caplog):
+    """The client read [DONE] and closed before the proxy wrote the stream's end: the answer was complete,
+    so it counts as a 200 and nothing is logged as an error (it was aiohttp's 'Error handling request')."""
+    real_write_eof = web.StreamResponse.write_eof
+
+    async def closed(self, data=b""):
+        if self.headers.get("Content-Type") == "text/event-stream" and self.status == 200 and "Cache-Control" in self.headers:
+            raise ConnectionResetError("Cannot write to closing transport")  # the proxy's relay, not the fake's
+        return await real_write_eof(self, data)
+
+    async def main():
+        d = Fake("decode", "push")
+        proxy, runner, url, prefills = await deploy("push", [d])
+        try:
+            monkeypatch.setattr(web.StreamResponse, "write_eof", closed)
+            async with ClientSession() as s:
+                body = {"prompt": "hi", "max_tokens": 2, "stream": True}
+                async with s.post(url + "/v1/completions", json=body) as r:
+                    lines = []
+                    async for line in r.content:
+                        lines.append(line)
+                        if line.startswith(b"data: [DONE]"):
+                            break
+            assert r.status == 200 and lines[-1].startswith(b"data: [DONE]")
+            assert proxy.metrics.requests.labels(status="200")._value.get() == 1
+        finally:
+            monkeypatch.setattr(web.StreamResponse, "write_eof", real_write_eof)
+            await teardown(proxy, runner, [*prefills, d])
+
+    with caplog.at_level("INFO"):
+        asyncio.run(main())
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text

@@ -427,15 +427,20 @@ class Proxy(InstancePool):
                 return web.Response(body=data, status=200, content_type="application/json")
             out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
             await out.prepare(request)
-            async for line in d_resp.content:
-                if b'"kvpush_trace"' in line:
-                    await wait_prefill(d.p_task)
-                    line = merge_trace_line(line, lambda c: self.annotate(d, c))
-                if line.startswith(b"data: {"):  # stamped before the write: after it the client may have it
-                    d.trace.setdefault("proxy_first_chunk", time.time())
-                await out.write(line)
-            complete = True
-            await out.write_eof()
+            try:
+                async for line in d_resp.content:
+                    if b'"kvpush_trace"' in line:
+                        await wait_prefill(d.p_task)
+                        line = merge_trace_line(line, lambda c: self.annotate(d, c))
+                    if line.startswith(b"data: {"):  # stamped before the write: after it the client may have it
+                        d.trace.setdefault("proxy_first_chunk", time.time())
+                    await out.write(line)
+                complete = True
+                await out.write_eof()
+            except ConnectionResetError:  # the client closed its end: once it had [DONE], that is no error
+                if not complete:
+                    log.info("client left during the stream of %s", d.transfer_id)
+                    return out
             self.metrics.requests.labels(status="200").inc()
             return out
         finally:
