@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
+from engine_throughput import kv_decode, kv_prefill  # run as a script: benchmarks/ is on sys.path
 
 from kvpush.bench.stats import fmt_ci, p50, ratio_ci, verdict
 from kvpush.config import (
@@ -31,7 +31,6 @@ from kvpush.config import (
 )
 from kvpush.demo import ensure_model
 from kvpush.engine.engine import LLMEngine
-from kvpush.engine.sampling_params import SamplingParams
 
 SETTINGS = {"compile": ("on", "off", "auto"), "huge_pages": ("on", "off")}
 DECODE_STEPS = 32
@@ -57,26 +56,20 @@ def build(model: str, settings: dict[str, str]) -> LLMEngine:
         compile=CompileMode(settings.get("compile", "auto"))))
 
 
-def prompt(n: int, seed: int, vocab: int) -> list[int]:
-    return torch.randint(10, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+def parse_workload(name: str) -> tuple[str, int] | None:
+    """`decodeN` / `prefillN` -> (kind, N); None if it is neither (or N < 1)."""
+    kind = name.rstrip("0123456789")
+    if kind not in ("decode", "prefill") or kind == name or int(name[len(kind):]) < 1:
+        return None
+    return kind, int(name[len(kind):])
 
 
 def run_workload(eng: LLMEngine, name: str, seed: int) -> float:
-    """ms per decode step (decodeN) or per prefill (prefillN)."""
-    kind, n = name.rstrip("0123456789"), int(name[len(name.rstrip("0123456789")):])
-    vocab = eng.arch.vocab_size
+    """ms per decode step (decodeN) or per prefill (prefillN), with engine_throughput.py's workloads."""
+    kind, n = parse_workload(name) or ("", 0)
     if kind == "prefill":
-        eng.add_request(f"p{seed}-{n}", prompt(n, seed, vocab), SamplingParams(max_tokens=1, temperature=0))
-    else:
-        params = SamplingParams(max_tokens=DECODE_STEPS + 1, temperature=0, ignore_eos=True)
-        for i in range(n):
-            eng.add_request(f"d{seed}-{n}-{i}", prompt(64, seed * 100 + i, vocab), params)
-        eng.step()  # the prefill of the whole batch (not timed)
-    start = time.perf_counter()
-    while eng.has_unfinished():
-        eng.step()
-    elapsed_ms = (time.perf_counter() - start) * 1e3
-    return elapsed_ms if kind == "prefill" else elapsed_ms / DECODE_STEPS
+        return n * 1e3 / kv_prefill(eng, n, seed)
+    return n * 1e3 / kv_decode(eng, n, DECODE_STEPS, seed)
 
 
 def main() -> None:
@@ -88,8 +81,7 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="checkpoint (default: the bench preset, made if missing)")
     args = ap.parse_args()
     for w in args.workloads:
-        kind = w.rstrip("0123456789")
-        if kind not in ("decode", "prefill") or kind == w or int(w[len(kind):]) < 1:
+        if parse_workload(w) is None:
             ap.error(f"workload {w!r}: expected decodeN or prefillN (N >= 1)")
     if args.repeats < 3:
         ap.error("--repeats must be >= 3 (an interval needs a few)")

@@ -104,9 +104,11 @@ HUGE_PAGE = 2 << 20  # x86-64 and arm64 (4 KiB base pages) transparent huge page
 
 
 def huge_page_arena(nbytes: int) -> torch.Tensor:
-    """An untouched uint8 CPU buffer of `nbytes` whose start is huge-page aligned, advised for
-    transparent huge pages (where Linux grants them; 4 KiB pages otherwise, with the same contents).
-    Carve tensors out of it with views; the views keep the allocation alive."""
+    """A uint8 CPU buffer of `nbytes` whose start is huge-page aligned, advised for transparent huge
+    pages before the caller writes it (Linux grants them to pages first touched after the advice, so
+    a large buffer, which malloc maps fresh, gets them; a small one may come from reused heap pages;
+    4 KiB pages otherwise, with the same contents). Carve tensors out of it with views; the views keep
+    the allocation alive."""
     import torch  # not at module level: the engine core's step loop imports this module too
 
     raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)  # [nbytes + 2 MiB]

@@ -166,7 +166,7 @@ def test_paired_groups_match_prompt_sets_and_requests():
     # matched by seed, then by index; a request that failed on either side drops out of its pair
     assert paired_groups(push, pull, "ttft") == [([1000.0], [8000.0]), ([4000.0, 5000.0], [6000.0, 7000.0])]
     assert paired_groups(push, [pull[0], _seeded_run("pull", 3, [1.0])], "ttft") is None  # other prompts
-    assert paired_groups(push[:1], pull[1:], "ttft") is None  # one prompt set: no repeats to resample
+    assert paired_groups(push[:1], pull[1:], "ttft") == [([1000.0], [8000.0])]  # one shared prompt set
     twice = [_seeded_run("push", 1, [1.0]), _seeded_run("push", 1, [1.0])]
     assert paired_groups(twice, pull, "ttft") is None
 
@@ -192,16 +192,35 @@ def test_paired_interval_uses_the_shared_prompts():
 
 
 def test_paired_interval_carries_drift_between_repeats():
-    """Each repeat agrees with itself, but the repeats disagree (push 20% better in two, 20% worse in
-    two, as a machine drifting between runs would make it): the interval spans 1."""
+    """Each repeat agrees with itself, but one repeat disagrees with the other three (push 20% better in
+    three, 25% worse in one, as a machine drifting between runs could make it): the requests pooled and
+    paired say "push better", the repeats resampled too cannot tell."""
     import numpy as np
 
     from kvpush.bench.report import mode_ratio_ci
-    from kvpush.bench.stats import p50
+    from kvpush.bench.stats import p50, ratio_ci
 
     rng = np.random.default_rng(2)
     base = [rng.normal(0.2, 0.01, 50) for _ in range(4)]
-    push = [_seeded_run("push", s, b * f) for s, (b, f) in enumerate(zip(base, (0.8, 1.25, 0.8, 1.25), strict=True))]
+    factors = (0.8, 0.8, 0.8, 1.25)
+    push = [_seeded_run("push", s, b * f) for s, (b, f) in enumerate(zip(base, factors, strict=True))]
     pull = [_seeded_run("pull", s, b) for s, b in enumerate(base)]
     _, lo, hi = mode_ratio_ci(push, pull, "ttft", p50)
     assert lo < 1.0 < hi
+    pooled_push = np.concatenate([b * f for b, f in zip(base, factors, strict=True)])
+    _, plo, phi = ratio_ci(pooled_push, np.concatenate(base), stat=p50, paired=True)
+    assert phi < 1.0  # what ignoring the repeats would have concluded
+
+
+def test_pairing_needs_the_same_workload_and_seeds_on_both_sides():
+    from kvpush.bench.report import mode_ratio_ci, paired_groups
+    from kvpush.bench.stats import p50
+
+    push = [_seeded_run("push", 1, [1.0, 2.0]), _seeded_run("push", 2, [3.0, 4.0])]
+    pull = [_seeded_run("pull", 1, [1.0, 2.0]), _seeded_run("pull", 2, [3.0, 4.0])]
+    pull[1]["config"]["input_len"] = 1024  # same seed, other prompts
+    assert paired_groups(push, pull, "ttft") is None
+    unseeded = [dict(r, run={}) for r in pull]
+    assert paired_groups(push, unseeded, "ttft") is None and mode_ratio_ci(push, unseeded, "ttft", p50) is not None
+    one = mode_ratio_ci(push[:1], [_seeded_run("pull", 1, [2.0, 4.0])], "ttft", p50)  # one shared set: paired
+    assert one is not None and one[1:] == (0.5, 0.5)

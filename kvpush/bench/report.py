@@ -2,9 +2,9 @@
 
 Runs are grouped by ``(config.request_rate, config.mode)``. Repeats of one group (same mode and
 rate, e.g. alternating push/pull runs) are combined by taking the median of each metric over the
-repeats; the ``runs`` column says how many there were. Ratios are ``push / pull`` of those values:
-below 1 push is better for latencies, above 1 push is better for throughputs. TTFT and TPOT ratios
-carry a 95% bootstrap interval and a verdict: "push better", "pull better", or "cannot tell" when the
+repeats; the ``runs`` column says how many there were. Throughput ratios are ``push / pull`` of those
+values (above 1 push is better). TTFT and TPOT ratios are the percentile of push's requests pooled
+over its repeats over pull's (below 1 push is better), with a 95% bootstrap interval and a verdict: "push better", "pull better", or "cannot tell" when the
 interval spans 1. When both modes ran the same prompt sets (alternating repeats with one sample seed
 each, as benchmarks/push_vs_pull.py does) the interval is paired: requests are matched by prompt
 within a repeat and the repeats are resampled too; otherwise the pooled requests of each mode are
@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -140,34 +141,42 @@ def request_values(runs: Sequence[Run], metric: str) -> list[float]:
     return [v for run in runs for v in _values_by_index(run, metric).values()]
 
 
+PROMPT_KEYS = ("dataset", "dataset_path", "input_len", "output_len", "range_ratio", "prefix_len", "session_turns",
+               "turn_len", "vocab_size", "num_prompts", "num_warmups", "burstiness")
+
+
 def _prompt_set(run: Run) -> Any:
-    """What identifies a run's prompts and arrival times: its sample seed (None if not recorded)."""
-    info = run.get("run")
-    return info.get("sample_seed") if isinstance(info, dict) else None
+    """What identifies a run's prompts and arrival times: its sample seed with the workload settings
+    that shape the prompts drawn from it (None if no seed was recorded)."""
+    info, cfg = run.get("run"), run.get("config") or {}
+    seed = info.get("sample_seed") if isinstance(info, dict) else None
+    return None if seed is None else (seed, *(str(cfg.get(k)) for k in PROMPT_KEYS))
 
 
 def paired_groups(a: Sequence[Run], b: Sequence[Run], metric: str) -> list[tuple[list[float], list[float]]] | None:
-    """One group per prompt set both sides ran (same ``run.sample_seed``, once per side): the values
-    of the requests that succeeded in both, paired by request index. None when the runs do not pair
-    up that way (different seeds, a seed run twice, no seed recorded, fewer than two sets)."""
-    seeds_a, seeds_b = [_prompt_set(r) for r in a], [_prompt_set(r) for r in b]
-    if None in seeds_a or len(set(seeds_a)) != len(seeds_a) or sorted(seeds_a) != sorted(seeds_b) or len(a) < 2:
+    """One group per prompt set both sides ran (same seed and workload, once per side): the values of
+    the requests that succeeded in both, paired by request index. None when the runs do not pair up
+    that way (different prompt sets, one run twice, no seed recorded)."""
+    sets_a, sets_b = [_prompt_set(r) for r in a], [_prompt_set(r) for r in b]
+    if not a or None in sets_a or None in sets_b or len(set(sets_a)) != len(sets_a) or Counter(sets_a) != Counter(sets_b):
         return None
-    by_seed = {_prompt_set(r): r for r in b}
+    by_set = {_prompt_set(r): r for r in b}
     groups = []
     for run in a:
-        x, y = _values_by_index(run, metric), _values_by_index(by_seed[_prompt_set(run)], metric)
+        x, y = _values_by_index(run, metric), _values_by_index(by_set[_prompt_set(run)], metric)
         both = sorted(x.keys() & y.keys())
         groups.append(([x[i] for i in both], [y[i] for i in both]))
     return groups
 
 
 def mode_ratio_ci(a: Sequence[Run], b: Sequence[Run], metric: str, stat: Stat) -> tuple[float, float, float] | None:
-    """``stat`` of mode a's requests / mode b's with a 95% bootstrap interval: paired by prompt within
-    repeats, and repeats resampled too, when the runs share prompt sets (``paired_groups``); else over
-    the pooled requests of each side independently. None without values on both sides."""
+    """``stat`` of mode a's requests / mode b's with a 95% bootstrap interval: paired by prompt when the
+    runs share prompt sets (``paired_groups``; with several repeats the repeats are resampled too);
+    else over the pooled requests of each side independently. None without values on both sides."""
     groups = paired_groups(a, b, metric)
     if groups is not None and sum(len(x) for x, _ in groups) >= 2:
+        if len(groups) == 1:
+            return ratio_ci(groups[0][0], groups[0][1], stat=stat, paired=True)
         return clustered_ratio_ci(groups, stat=stat)
     x, y = request_values(a, metric), request_values(b, metric)
     if len(x) < 2 or len(y) < 2:

@@ -7,8 +7,11 @@
 - ``clustered_ratio_ci(groups, stat)``: the same ratio when requests come in paired groups (one
   group per prompt set both modes ran, e.g. one repeat of an alternating benchmark): each resample
   draws groups with replacement, then requests jointly by index within each drawn group, so the
-  interval carries the drift between repeats as well as the spread of requests. With few groups
-  (4 repeats) it is still somewhat narrower than the truth.
+  interval carries the drift between repeats as well as the spread of requests. Drawing requests
+  within drawn groups counts their spread twice (wider, conservative, for that part), while the
+  spread between repeats comes out narrower by about (G - 1) / G with G repeats. Percentile
+  intervals of a p99 are rough at a few hundred requests (it rests on a handful of values; the
+  estimate can sit at an edge of its interval).
 - ``verdict(lo, hi, better_below=True)``: "A better" / "B better" when the interval excludes 1.0,
   "cannot tell" when it spans it.
 

@@ -11,7 +11,7 @@ from safetensors import safe_open
 from kvpush.errors import ModelLoadError
 from kvpush.models.arch import ArchConfig, load_arch_config
 from kvpush.models.decoder import CausalLM
-from kvpush.native_memory import huge_page_arena
+from kvpush.native_memory import huge_page_arena, trim_heap
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # HF projection name -> (fused parameter name, shard index)
@@ -70,9 +70,11 @@ def pack_on_huge_pages(model: torch.nn.Module) -> int:
     of the bench preset's 55 MB; on 2 MiB pages, 27. Measured on the bench preset (compiled, one
     thread, the same process alternating between two engines, `benchmarks/engine_ab.py`): see the
     README's engine section. Tensors are moved one at a time, so memory peaks at the model's size
-    plus its largest tensor, not at twice the model."""
+    plus its largest tensor, not at twice the model (the heap is trimmed after the moves). A tensor that
+    is a view of a larger storage (shares it with others) stays where it is."""
     tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]
-               if t.device.type == "cpu" and t.is_contiguous() and t.numel()}
+               if t.device.type == "cpu" and t.is_contiguous() and t.numel()
+               and t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size()}
     sizes = {k: -(-t.numel() * t.element_size() // 64) * 64 for k, t in tensors.items()}
     arena = huge_page_arena(sum(sizes.values()))
     offset = 0
@@ -82,6 +84,7 @@ def pack_on_huge_pages(model: torch.nn.Module) -> int:
             view.copy_(t)
             t.data = view
             offset += sizes[k]
+    trim_heap()  # the old copies that lived in malloc's heap go back to the OS now, not at the first idle trim
     return offset
 
 
