@@ -4,8 +4,8 @@ Runs are grouped by ``(config.request_rate, config.mode)``. Repeats of one group
 rate, e.g. alternating push/pull runs) are combined by taking the median of each metric over the
 repeats; the ``runs`` column says how many there were. Throughput ratios are ``push / pull`` of those
 values (above 1 push is better). TTFT and TPOT ratios are the percentile of push's requests pooled
-over its repeats over pull's (below 1 push is better), with a 95% bootstrap interval and a verdict: "push better", "pull better", or "cannot tell" when the
-interval spans 1. When both modes ran the same prompt sets (alternating repeats with one sample seed
+over its repeats over pull's (below 1 push is better), with a 95% bootstrap interval and a verdict:
+"push better", "pull better", or "cannot tell" when the interval spans 1. When both modes ran the same prompt sets (alternating repeats with one sample seed
 each, as benchmarks/push_vs_pull.py does) the interval is paired: requests are matched by prompt
 within a repeat and the repeats are resampled too; otherwise the pooled requests of each mode are
 resampled independently.
@@ -175,9 +175,7 @@ def mode_ratio_ci(a: Sequence[Run], b: Sequence[Run], metric: str, stat: Stat) -
     else over the pooled requests of each side independently. None without values on both sides."""
     groups = paired_groups(a, b, metric)
     if groups is not None and sum(len(x) for x, _ in groups) >= 2:
-        if len(groups) == 1:
-            return ratio_ci(groups[0][0], groups[0][1], stat=stat, paired=True)
-        return clustered_ratio_ci(groups, stat=stat)
+        return clustered_ratio_ci(groups, stat=stat)  # one group: a plain paired bootstrap
     x, y = request_values(a, metric), request_values(b, metric)
     if len(x) < 2 or len(y) < 2:
         return None
