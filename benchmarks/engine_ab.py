@@ -3,7 +3,8 @@
     python benchmarks/engine_ab.py --a huge_pages=off --b huge_pages=on [--repeats 9]
                                    [--workloads decode1 decode16 prefill512] [--model DIR]
 
-Builds one LLMEngine per variant (settings: `compile=on|off|auto`, `huge_pages=on|off`), then per
+Builds one LLMEngine per variant (settings: `compile=on|off|auto`, `huge_pages=on|off`,
+`trim=on|off`: the heap trimmed before each timed workload), then per
 repeat runs every workload on both engines, the order alternating between repeats, so that the
 machine's drift (+-15% here from one minute to the next) hits both alike. Workloads: `decodeN`
 (N sequences of 64 prompt tokens decode 32 steps together; ms per step), `prefillN` (one N-token
@@ -31,8 +32,10 @@ from kvpush.config import (
 )
 from kvpush.demo import ensure_model
 from kvpush.engine.engine import LLMEngine
+from kvpush.native_memory import trim_heap
 
-SETTINGS = {"compile": ("on", "off", "auto"), "huge_pages": ("on", "off")}
+# trim=on: malloc_trim right before each timed workload of that variant, as the engine core does when idle
+SETTINGS = {"compile": ("on", "off", "auto"), "huge_pages": ("on", "off"), "trim": ("on", "off")}
 DECODE_STEPS = 32
 
 
@@ -93,6 +96,8 @@ def main() -> None:
         order = ["A", "B"] if rep % 2 == 0 else ["B", "A"]
         for w in args.workloads:
             for v in order:
+                if (args.a if v == "A" else args.b).get("trim") == "on":
+                    trim_heap()
                 times[(v, w)].append(run_workload(engines[v], w, rep))
     print(f"\nA = {args.a or 'defaults'}, B = {args.b or 'defaults'}; {model}, one torch thread, "
           f"{args.repeats} repeats alternating\n")

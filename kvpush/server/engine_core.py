@@ -32,8 +32,9 @@ if TYPE_CHECKING:  # imported when a role needs it (build_engine): colocated nev
 log = logging.getLogger("kvpush.engine_core")
 IDLE_WAIT_S = 1.0
 IDLE_TRIM_S = 5.0  # idle this long after a step, the core hands freed heap memory back (native_memory.py);
-# a prefill right after a trim faults its activations in again: +2.1% [1.5, 4.6] on a 512-token prefill (bench
-# preset, 12 alternating pairs), so the wait is long enough that requests at 1 req/s rarely follow a trim (0.5%)
+# a prefill right after a trim faults its activations in again: +2.8% [1.6, 4.3] on a 512-token prefill (bench
+# preset, `benchmarks/engine_ab.py --a trim=off --b trim=on --workloads prefill512 --repeats 12`), so the wait
+# is long enough that requests at 1 req/s rarely follow a trim (0.5%)
 STATS_INTERVAL_S = 0.05
 
 
