@@ -102,7 +102,7 @@ def test_drain_on_sigterm(deployment, reference):
     p, d1, d2 = c.prefills[0], c.decodes[0], c.decodes[1]
     # ---- D1 drains: its running streams complete, new requests go to D2 --------------------------
     prompts = [prompt_of(2 * BS + i, 40 + i) for i in range(4)]
-    max_tokens = 300
+    max_tokens = 1200  # D1 drains for as long as these streams last: long enough for the proxy's 0.1-s probes
     threads, results = start_streams(proxy.url, prompts, max_tokens)  # round-robin: two on each D
     wait_for(lambda: metric(d1.url, "kvpush_num_requests_running") >= 1, 30, "streams decoding on D1")
     sigterm(d1)
