@@ -6,6 +6,12 @@ Prefill tokens/s for 512- and 2048-token prompts, decode tokens/s at batch 1 and
 kvpush engine (eager and torch.compile'd, `--compile`) and for transformers (`forward` for prefill,
 `generate` for decode) on the same checkpoint (the bench preset, made if missing). Medians over
 repeats; each repeat runs every engine once, alternating, so load on the machine hits all alike.
+
+For decode it also measures "linears alone": the model's own linear layers (every nn.Linear of the
+engine's model, in forward order, the LM head included) applied to a batch of random rows, each
+weight read once per step as in a decode step, nothing else. No engine that computes this model in
+fp32 with these matrix products can step faster than that; the last lines say how much of the
+2x-transformers budget of a batch-16 step it takes.
 """
 
 from __future__ import annotations
@@ -54,6 +60,21 @@ def kv_decode(eng: LLMEngine, batch: int, steps: int, seed: int) -> float:
     return batch * steps / (time.perf_counter() - t)
 
 
+def linears_alone(eng: LLMEngine, batch: int, steps: int, seed: int) -> float:
+    """Decode tok/s if a step were only the model's linears (weights in forward order, each read once)."""
+    linears = [m for m in eng.model.modules() if isinstance(m, torch.nn.Linear)]
+    gen = torch.Generator().manual_seed(seed)
+    rows = {n: torch.randn(batch, n, generator=gen) for n in {m.in_features for m in linears}}  # [batch, in]
+    with torch.inference_mode():
+        for m in linears:  # untimed: the first touch of each weight in this process
+            m(rows[m.in_features])
+        t = time.perf_counter()
+        for _ in range(steps):
+            for m in linears:
+                m(rows[m.in_features])
+    return batch * steps / (time.perf_counter() - t)
+
+
 def hf_prefill(model, n: int, seed: int, vocab: int) -> float:
     ids = torch.tensor([prompt(n, seed, vocab)])
     t = time.perf_counter()
@@ -99,25 +120,34 @@ def main() -> None:
     workloads += [(f"decode batch {b}", lambda e, s, b=b: kv_decode(e, b, args.decode_steps, s),
                    lambda s, b=b: hf_decode(hf, b, args.decode_steps, s, vocab)) for b in (1, 16)]
     rows = []
+    floor_engine = next(iter(engines.values()))
     for name, ours, theirs in workloads:
-        samples: dict[str, list[float]] = {mode: [] for mode in [*engines, "hf"]}
+        samples: dict[str, list[float]] = {mode: [] for mode in [*engines, "hf", "linears"]}
+        batch = int(name.split()[-1]) if name.startswith("decode") else 0
         for s in range(args.repeats):
             for mode, eng in engines.items():
                 samples[mode].append(ours(eng, s))
             samples["hf"].append(theirs(s))
-        rows.append((name, {k: statistics.median(v) for k, v in samples.items()}))
+            if batch:
+                samples["linears"].append(linears_alone(floor_engine, batch, args.decode_steps, s))
+        rows.append((name, {k: statistics.median(v) for k, v in samples.items() if v}))
     print(f"\nmodel {path}, torch threads 1, medians of {args.repeats}\n")
     modes = list(engines)
     print("| workload | " + " | ".join(f"kvpush compile={m} tok/s" for m in modes) + " | transformers tok/s | "
-          + " | ".join(f"compile={m} / transformers" for m in modes) + " |")
-    print("|---" * (2 + 2 * len(modes)) + "|")
+          + " | ".join(f"compile={m} / transformers" for m in modes) + " | linears alone tok/s |")
+    print("|---" * (3 + 2 * len(modes)) + "|")
     for name, med in rows:
+        floor = f"{med['linears']:,.0f}" if "linears" in med else "-"
         print(f"| {name} | " + " | ".join(f"{med[m]:,.0f}" for m in modes) + f" | {med['hf']:,.0f} | "
-              + " | ".join(f"{med[m] / med['hf']:.2f}" for m in modes) + " |")
+              + " | ".join(f"{med[m] / med['hf']:.2f}" for m in modes) + f" | {floor} |")
     b16, hf_b1 = rows[3][1], rows[2][1]["hf"]
     for m in modes:
         print(f"\nkvpush compile={m}: decode batch 16 / transformers batch 16: {b16[m] / b16['hf']:.2f}x (target >= 2x); "
               f"/ transformers batch 1: {b16[m] / hf_b1:.1f}x")
+    budget_ms, linears_ms = 16e3 / (2 * b16["hf"]), 16e3 / b16["linears"]
+    print(f"decode batch 16: 2x transformers means a step of {budget_ms:.2f} ms; the linears alone take "
+          f"{linears_ms:.2f} ms of it ({linears_ms / budget_ms:.0%}), at most {b16['linears'] / b16['hf']:.2f}x "
+          f"transformers for an engine that did nothing else")
 
 
 if __name__ == "__main__":
