@@ -125,6 +125,19 @@ def test_local_only_below_its_prefill_time_cap():
     assert m.choose(Decision(Route.LOCAL, 512, 0, 0, 0, 0, 0, PAIR), (Route.LOCAL,)).route is Route.LOCAL  # all there is
 
 
+def test_burst_at_prefill_lifts_the_cap_on_local():
+    """Past the cap, local is still a candidate when P's queue alone would hold the request longer
+    than D's prefill takes; the stall on D's running requests is still charged."""
+    m = trained(local_max_s=0.064)
+    short_queue = m.choose(decision(tokens=512, p_queue=256))  # ~0.1 s of queue < ~0.2 s local prefill
+    assert short_queue.route is Route.PUSH and "local" not in short_queue.estimates_s
+    burst = m.choose(decision(tokens=512, p_queue=4096, d_running=2))  # ~1.6 s of queue on P
+    assert burst.route is Route.LOCAL, burst.estimates_s
+    assert m.p_queue_delay(burst) == pytest.approx(0.0004 * 4096, rel=0.05)
+    crowded = m.choose(decision(tokens=512, p_queue=1024, d_running=8))  # allowed, but 8 streams stall
+    assert "local" in crowded.estimates_s and crowded.route is Route.PUSH, crowded.estimates_s
+
+
 def test_prefix_on_decode_makes_local_cheap_even_when_busy():
     m = trained()
     d = m.choose(decision(tokens=1024, d_prefix=1000, d_running=4))
@@ -248,6 +261,23 @@ def test_queue_release_is_idempotent_and_reroutes_move_the_pair():
     r.rerouted(other, "http://d2")
     assert other.pair == ("http://p", "http://d2")
     assert r.decide({"prompt": ids(40, seed=2)}, "http://p", "http://d2", 0, BS).d_prefix == 40
+
+
+def test_requests_waiting_for_their_prefill_do_not_count_as_decoding_on_d():
+    """d_running counts D's requests past their prefill: those whose KV P still computes (or whose local
+    prefill is queued) are not stalled by a local prefill, and move to decoding once prefilled."""
+    r = AutoRouter()
+    waiting = [r.decide({"prompt": ids(40, seed=s)}, "http://p", "http://d", s, BS, forced=Route.PUSH) for s in range(3)]
+    for d in waiting:
+        r.dispatched(d)
+    assert r.decide({"prompt": ids(40, seed=9)}, "http://p", "http://d", 3, BS).d_running == 0
+    assert r.decide({"prompt": ids(40, seed=9)}, "http://p", "http://d", 5, BS).d_running == 2  # 2 others decode
+    r.prefilled(waiting[0])
+    r.prefilled(waiting[0])  # idempotent
+    assert r.decide({"prompt": ids(40, seed=9)}, "http://p", "http://d", 3, BS).d_running == 1
+    r.rerouted(waiting[1], "http://d2")  # still pending: it now waits on d2
+    assert r.decide({"prompt": ids(40, seed=9)}, "http://p", "http://d2", 1, BS).d_running == 0
+    assert r.decide({"prompt": ids(40, seed=9)}, "http://p", "http://d", 2, BS).d_running == 1
 
 
 def test_an_answer_recomputed_after_a_failed_transfer_teaches_nothing():

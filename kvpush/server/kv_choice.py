@@ -13,12 +13,15 @@ Signals (all free for the proxy; no extra round trip):
     p_prefix    the same for P (its prefix cache spares it those tokens)
     p_queue     prompt tokens P still has to prefill for legs dispatched before this one
     d_queue     prompt tokens D still has to prefill for local requests dispatched before this one
-    d_running   requests in flight on D: a local prefill stalls each of them once
+    d_running   requests decoding on D: in flight there, less those whose prefill is still pending
+                (queued or running on P, or queued on D): a local prefill stalls each of them once.
+                Requests waiting for their KV are not stalled by it (they wait on P), and in a burst
+                at P they are many: counting them would keep D's prefill out exactly when it helps
 Learned lines (Line: decayed least squares y = a + b x), from every finished request's trace:
     prefill             P's api_received -> prefill done        vs tokens P computed (+ its queue)
     local               D's api_received -> first token         vs tokens D computed (+ its queue)
     rest[route, P, D]   TTFT - P's part                       vs tokens moved (prompt - D's prefix):
-                        and the requests in flight on D: one fit over every remote route,
+                        and the requests decoding on D: one fit over every remote route,
                         a + b x + g d_running + c[route] + e[P, D] (kv_fit.RestModel), so that D's load
                         moves every route's estimate at once and routes and pairs differ by what was
                         measured of them
@@ -29,7 +32,8 @@ Estimates and costs (seconds):
     local:     local(d_queue + tokens - d_prefix); its cost adds the stall it inflicts on D's running
                requests: local(tokens - d_prefix) x d_running x stall_weight. Local is not considered
                at all when that prefill would take longer than local_max_s (--auto-local-max-ms): the
-               tail guard, as a prefill that long also delays whoever arrives at D meanwhile
+               tail guard, as a prefill that long also delays whoever arrives at D meanwhile - unless
+               P's queue alone would hold the request longer than D's prefill (a burst at P)
 Every EXPLORE_EVERY-th decision (every EXPLORE_EVERY_LATER-th once each route has WELL_MEASURED
 samples) takes the route with the fewest samples instead, so that a route that looks worse at first
 is still measured and the lines follow the load; a route the client named is never overridden.
@@ -210,12 +214,25 @@ class CostModel:
             est += self.local_line()(d.tokens - d.d_prefix) * d.d_running * self.stall_weight
         return est
 
+    def p_queue_delay(self, d: Decision) -> float:
+        """How long P's queue alone would hold this request: its prefill estimate with the tokens queued
+        there before it, less the same without them."""
+        own = d.tokens - d.p_prefix
+        return self.prefill(d.p_queue + own) - self.prefill(own)
+
+    def local_allowed(self, d: Decision) -> bool:
+        """Local is a candidate when D's prefill of the uncached part takes at most local_max_s (longer,
+        it would stall every request on D, and those arriving during it, that long), or when P's queue
+        alone would hold this request at least that long: a burst at P, which D's stall then relieves
+        (as Dynamo prefills locally when the prefill queue is long). The cost still charges the stall."""
+        local = self.local_line()(d.tokens - d.d_prefix)
+        return local <= self.local_max_s or self.p_queue_delay(d) >= local
+
     def choose(self, d: Decision, allowed: tuple[Route, ...] | None = None) -> Decision:
         """Fill in the estimates of every allowed route and pick the cheapest (or explore). Local is
-        left out when D's prefill of the uncached part would take longer than local_max_s (it would
-        stall every request on D, and those arriving during it, that long) unless it is all there is."""
+        left out when `local_allowed` says no, unless it is all there is."""
         allowed = allowed or self.routes
-        if len(allowed) > 1 and self.local_line()(d.tokens - d.d_prefix) > self.local_max_s:
+        if len(allowed) > 1 and not self.local_allowed(d):
             allowed = tuple(r for r in allowed if r is not Route.LOCAL)
         d.estimates_s = {r.value: self.estimate(r, d) for r in allowed}
         self.decisions += 1
@@ -274,6 +291,7 @@ class AutoRouter:
         self.model = CostModel(stall_weight=stall_weight, local_max_s=local_max_s)
         self.trackers: dict[str, PrefixTracker] = {}
         self.queued: dict[str, float] = {}  # url -> prompt tokens still to prefill there
+        self.pending: dict[str, int] = {}  # D url -> its requests whose prefill is not done yet
 
     def tracker(self, url: str) -> PrefixTracker:
         return self.trackers.setdefault(url, PrefixTracker())
@@ -282,14 +300,16 @@ class AutoRouter:
         """The instance restarted: its prefix cache is empty."""
         self.trackers.pop(url, None)
 
-    def decide(self, body: dict, p_url: str | None, d_url: str, d_running: int, block_size: int,
+    def decide(self, body: dict, p_url: str | None, d_url: str, d_in_flight: int, block_size: int,
                forced: Route | None = None) -> Decision:
-        """The route for this request on this (P, D) pair; no P (none usable): local."""
+        """The route for this request on this (P, D) pair; no P (none usable): local. d_in_flight: the
+        proxy's requests on D (this one not included)."""
         key = PromptKey.of(body, block_size)
         m = self.model
         p_prefix = m.prefix_tokens(key, self.tracker(p_url).matched(key)) if p_url else 0.0
+        decoding = max(d_in_flight - self.pending.get(d_url, 0), 0)
         d = Decision(Route.LOCAL, m.tokens(key), p_prefix, m.prefix_tokens(key, self.tracker(d_url).matched(key)),
-                     self.queued.get(p_url or "", 0.0), self.queued.get(d_url, 0.0), d_running,
+                     self.queued.get(p_url or "", 0.0), self.queued.get(d_url, 0.0), decoding,
                      (p_url or "", d_url), key=key)
         if forced is not None:
             d.forced = True
@@ -301,6 +321,7 @@ class AutoRouter:
         p_url, d_url = d.pair
         url = p_url if d.route.remote else d_url
         self.queued[url] = self.queued.get(url, 0.0) + d.tokens
+        self.pending[d_url] = self.pending.get(d_url, 0) + 1
         if d.key is not None:
             self.tracker(d_url).record(d.key)
             if d.route.remote:
@@ -315,9 +336,13 @@ class AutoRouter:
         url = d.pair[0] if d.route.remote else d.pair[1]
         left = self.queued.get(url, 0.0) - d.tokens
         self.queued[url] = left if left > 1e-6 else 0.0
+        self.pending[d.pair[1]] = max(self.pending.get(d.pair[1], 0) - 1, 0)
 
     def rerouted(self, d: Decision, d_url: str) -> None:
         """Pull: D refused the leg and another D takes it: learn and track for that one."""
+        if not d.prefilled:
+            self.pending[d.pair[1]] = max(self.pending.get(d.pair[1], 0) - 1, 0)
+            self.pending[d_url] = self.pending.get(d_url, 0) + 1
         d.pair = (d.pair[0], d_url)
         if d.key is not None:
             self.tracker(d_url).record(d.key)

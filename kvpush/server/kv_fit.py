@@ -2,7 +2,7 @@
 
     Line        y = a + b x, decayed least squares (prefill time vs tokens, and the like)
     RestModel   the rest of a remote route's TTFT: y = a + b x + g load + c[route] + e[P, D] (load: the
-                requests in flight on D), one decayed least squares over every remote sample, so that
+                requests decoding on D), one decayed least squares over every remote sample, so that
                 a rising load raises every route's estimate, not only the one measured under it,
                 and c, e are the differences between routes and pairs measured side by side (ridge: c
                 pulled towards its prior as strongly as RIDGE samples would, e towards the first pair

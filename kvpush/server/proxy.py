@@ -270,8 +270,8 @@ class Proxy(InstancePool):
             d.prefill.served += 1
         d.decode.in_flight -= 1
         d.decode.served += 1
-        if self.auto is not None and d.decision is not None and d.decision.route is Route.LOCAL:
-            self.auto.prefilled(d.decision)  # a no-op unless it failed before its first token
+        if self.auto is not None and d.decision is not None:
+            self.auto.prefilled(d.decision)  # a no-op unless it failed before its prefill was done
 
     # ---- the two flows -------------------------------------------------------------------
     async def _local(self, path: str, body: dict, d: Dispatch) -> aiohttp.ClientResponse:
