@@ -18,6 +18,7 @@ regime_map.png under --result-dir.
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from pathlib import Path
 
@@ -41,6 +42,8 @@ def main() -> None:
     ap.add_argument("--max-prompts", type=int, default=None)
     ap.add_argument("--result-dir", default="kvpush-results/regime_map")
     ap.add_argument("--no-pin", action="store_true")
+    ap.add_argument("--auto-proxy-args", default="", help="extra `kvpush proxy` flags of the auto deployment, "
+                                                          "e.g. \"--auto-stall-weight 2\"")
     ap.add_argument("--report-only", action="store_true", help="only regenerate the report from the JSON")
     ap.add_argument("--readme", type=Path, default=None, help="also rewrite this README's generated section")
     args = ap.parse_args()
@@ -55,7 +58,7 @@ def main() -> None:
         cfg = MapConfig(model=model, grid=grid, modes=tuple(args.modes), link_gbps=args.link_gbps,
                         run_s=args.run_s or run_s, min_prompts=args.min_prompts or defaults.min_prompts,
                         max_prompts=args.max_prompts or max_prompts,
-                        result_dir=args.result_dir, pin=not args.no_pin, repeats=args.repeats or (1 if grid == "full" else 2),
+                        result_dir=args.result_dir, pin=not args.no_pin, auto_proxy_args=shlex.split(args.auto_proxy_args), repeats=args.repeats or (1 if grid == "full" else 2),
                         command=" ".join(["python benchmarks/regime_map.py", *sys.argv[1:]]))
         path = run_map(cfg)
     print(report(path, args.readme, Path("docs/img/regime_map.png") if args.readme else None))

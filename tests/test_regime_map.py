@@ -74,3 +74,14 @@ def test_report_writes_png_and_replaces_the_readme_section(tmp_path: Path):
 def test_prompts_per_run_follow_the_rate_within_bounds():
     cfg = MapConfig(model="m", run_s=20, min_prompts=12, max_prompts=40)
     assert [num_prompts(cfg, r) for r in (0.1, 1.0, 5.0)] == [12, 20, 40]
+
+
+def test_auto_proxy_args_reach_only_the_auto_deployments_proxy(tmp_path: Path):
+    """`--auto-proxy-args` (e.g. a stall weight to compare) goes to the auto deployment's proxy only
+    (nothing is started here: the fleet's processes are only described)."""
+    from kvpush.bench.suite import Fleet, SuiteConfig
+
+    cfg = SuiteConfig(model="m", modes=("push", "auto"), auto_proxy_args=["--auto-stall-weight", "2"])
+    fleet = Fleet(cfg, str(tmp_path))
+    assert fleet.deployments["auto"].proxy.argv[-2:] == ["--auto-stall-weight", "2"]
+    assert "--auto-stall-weight" not in fleet.deployments["push"].proxy.argv

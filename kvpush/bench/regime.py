@@ -61,6 +61,7 @@ class MapConfig:
     result_dir: str = "kvpush-results/regime_map"
     command: str = ""  # how the map was run (shown in the report)
     serve_args: list[str] = field(default_factory=lambda: ["--torch-threads", "1"])
+    auto_proxy_args: list[str] = field(default_factory=list)  # e.g. ["--auto-stall-weight", "2"]
 
 
 @dataclass(frozen=True)
@@ -170,6 +171,7 @@ def map_link(cfg: MapConfig, link_name: str, link: Any, results: list[dict], sav
     """Start the fleet (over `link`, or none), then every cell of the grid on it."""
     grid = GRIDS[cfg.grid]
     base = SuiteConfig(model=cfg.model, modes=cfg.modes, serve_args=cfg.serve_args, pin=cfg.pin,
+                       auto_proxy_args=cfg.auto_proxy_args,
                        capacity_prompts=cfg.capacity_prompts, result_dir=cfg.result_dir, seed=cfg.seed)
     log_dir = os.path.join(cfg.result_dir, "logs", link_name.replace(" ", "").replace("/", "_"))
     os.makedirs(log_dir, exist_ok=True)

@@ -51,6 +51,7 @@ class SuiteConfig:
     capacity_prompts: int = 48
     progress: bool = False
     pin: bool = False  # P and D on separate halves of the cores (see kvpush.placement)
+    auto_proxy_args: list[str] = field(default_factory=list)  # extra `kvpush proxy` flags of the auto deployment
 
 
 class Fleet:
@@ -68,7 +69,8 @@ class Fleet:
                                            log_path=os.path.join(log_dir, "colocated.log"))
         for mode in cfg.modes:
             if mode != "colocated":
-                self.deployments[mode] = Deployment(cfg.model, 1, 1, mode, free_port(), cfg.serve_args, [],
+                proxy_args = cfg.auto_proxy_args if mode == "auto" else []
+                self.deployments[mode] = Deployment(cfg.model, 1, 1, mode, free_port(), cfg.serve_args, proxy_args,
                                                     log_dir=os.path.join(log_dir, mode), pin=cfg.pin, link=link)
 
     def start(self) -> Fleet:
