@@ -43,7 +43,7 @@ def main() -> None:
     ap.add_argument("--result-dir", default="kvpush-results/regime_map")
     ap.add_argument("--no-pin", action="store_true")
     ap.add_argument("--auto-proxy-args", default="", help="extra `kvpush proxy` flags of the auto deployment, "
-                                                          "e.g. \"--auto-stall-weight 2\"")
+                                                          "e.g. \"--auto-stall-weight 2\" (one flag alone: --auto-proxy-args=--flag=value)")
     ap.add_argument("--report-only", action="store_true", help="only regenerate the report from the JSON")
     ap.add_argument("--readme", type=Path, default=None, help="also rewrite this README's generated section")
     args = ap.parse_args()
@@ -59,7 +59,7 @@ def main() -> None:
                         run_s=args.run_s or run_s, min_prompts=args.min_prompts or defaults.min_prompts,
                         max_prompts=args.max_prompts or max_prompts,
                         result_dir=args.result_dir, pin=not args.no_pin, auto_proxy_args=shlex.split(args.auto_proxy_args), repeats=args.repeats or (1 if grid == "full" else 2),
-                        command=" ".join(["python benchmarks/regime_map.py", *sys.argv[1:]]))
+                        command=shlex.join(["python", "benchmarks/regime_map.py", *sys.argv[1:]]))
         path = run_map(cfg)
     print(report(path, args.readme, Path("docs/img/regime_map.png") if args.readme else None))
 

@@ -196,7 +196,7 @@ def add_proxy_arguments(p: argparse.ArgumentParser) -> None:
                    help="--kv-mode auto: weight of the stall a local prefill on D inflicts on D's running requests")
     p.add_argument("--auto-local-max-ms", type=non_negative_float, default=_default(ProxyConfig, "auto_local_max_ms"),
                    help="--kv-mode auto: D prefills a request itself only if that takes at most this long, or "
-                        "if P's queue would hold the request longer than D's prefill takes")
+                        "if P's queue would hold the request at least as long as D's local queue and prefill")
 
 
 def cmd_proxy(args: argparse.Namespace) -> int:

@@ -224,7 +224,7 @@ class ProxyConfig:
     # (1.0: each running request's delay counts as much as this request's TTFT)
     auto_stall_weight: float = 1.0
     # --kv-mode auto: D prefills locally only what it can prefill in this long (a tail guard), unless
-    # P's queue would hold the request longer than D's prefill (a burst at P)
+    # P's queue would hold the request at least as long as D's local queue and prefill (a burst at P)
     auto_local_max_ms: float = 64.0
 
 

@@ -136,6 +136,8 @@ def test_burst_at_prefill_lifts_the_cap_on_local():
     assert m.p_queue_delay(burst) == pytest.approx(0.0004 * 4096, rel=0.05)
     crowded = m.choose(decision(tokens=512, p_queue=1024, d_running=8))  # allowed, but 8 streams stall
     assert "local" in crowded.estimates_s and crowded.route is Route.PUSH, crowded.estimates_s
+    d_backlog = m.choose(decision(tokens=512, p_queue=4096, d_queue=4096))  # D's own queue is as long as P's
+    assert d_backlog.route is Route.PUSH and "local" not in d_backlog.estimates_s
 
 
 def test_prefix_on_decode_makes_local_cheap_even_when_busy():

@@ -198,6 +198,9 @@ def test_auto_serves_locally_when_the_only_prefill_sheds_or_is_gone():
             async with ClientSession() as s:  # a route the client names is not replaced
                 async with s.post(url + "/v1/completions", json=body, headers={"X-KVPush-KV-Mode": "push"}) as r:
                     assert r.status == 429 and r.headers["Retry-After"] == "1"
+            # every decision (the shed remote one, its local retry, the forced one) left the queues
+            assert proxy.auto is not None and set(proxy.auto.pending.values()) <= {0}
+            assert set(proxy.auto.queued.values()) <= {0.0}
         finally:
             await teardown(proxy, runner, [*prefills, d])
         gone, d2 = Fake("prefill", "auto"), Fake("decode", "auto")

@@ -33,7 +33,8 @@ Estimates and costs (seconds):
                requests: local(tokens - d_prefix) x d_running x stall_weight. Local is not considered
                at all when that prefill would take longer than local_max_s (--auto-local-max-ms): the
                tail guard, as a prefill that long also delays whoever arrives at D meanwhile - unless
-               P's queue alone would hold the request longer than D's prefill (a burst at P)
+               P's queue alone would hold the request at least as long as D's local queue and its
+               prefill would (a burst at P)
 Every EXPLORE_EVERY-th decision (every EXPLORE_EVERY_LATER-th once each route has WELL_MEASURED
 samples) takes the route with the fewest samples instead, so that a route that looks worse at first
 is still measured and the lines follow the load; a route the client named is never overridden.
@@ -223,10 +224,12 @@ class CostModel:
     def local_allowed(self, d: Decision) -> bool:
         """Local is a candidate when D's prefill of the uncached part takes at most local_max_s (longer,
         it would stall every request on D, and those arriving during it, that long), or when P's queue
-        alone would hold this request at least that long: a burst at P, which D's stall then relieves
-        (as Dynamo prefills locally when the prefill queue is long). The cost still charges the stall."""
-        local = self.local_line()(d.tokens - d.d_prefix)
-        return local <= self.local_max_s or self.p_queue_delay(d) >= local
+        alone would hold this request at least as long as D's local queue and this prefill would: a
+        burst at P, which D's stall then relieves (as Dynamo prefills locally when the prefill queue is
+        long). D's queue counts, so that in a long burst D's local work stays below P's backlog. The
+        cost still charges the stall."""
+        own = self.local_line()(d.tokens - d.d_prefix)
+        return own <= self.local_max_s or self.p_queue_delay(d) >= self.local_line()(d.d_queue + d.tokens - d.d_prefix)
 
     def choose(self, d: Decision, allowed: tuple[Route, ...] | None = None) -> Decision:
         """Fill in the estimates of every allowed route and pick the cheapest (or explore). Local is
@@ -328,7 +331,8 @@ class AutoRouter:
                 self.tracker(p_url).record(d.key)
 
     def prefilled(self, d: Decision) -> None:
-        """P answered (remote) or D's first token exists (local), or the leg failed: not queued.
+        """P answered (remote) or D's first token exists (local), or the leg failed or ended (the
+        proxy's end_leg: a push answer D finished before P's HTTP answer arrived): not queued.
         Idempotent: a decision's tokens leave the queue once."""
         if d.prefilled:
             return
@@ -339,7 +343,9 @@ class AutoRouter:
         self.pending[d.pair[1]] = max(self.pending.get(d.pair[1], 0) - 1, 0)
 
     def rerouted(self, d: Decision, d_url: str) -> None:
-        """Pull: D refused the leg and another D takes it: learn and track for that one."""
+        """Pull: D refused the leg and another D takes it: learn and track for that one. (The proxy
+        reroutes after P answered, so the decision is no longer pending; moving a pending count keeps
+        the bookkeeping right for any caller that reroutes earlier.)"""
         if not d.prefilled:
             self.pending[d.pair[1]] = max(self.pending.get(d.pair[1], 0) - 1, 0)
             self.pending[d_url] = self.pending.get(d_url, 0) + 1

@@ -271,7 +271,8 @@ class Proxy(InstancePool):
         d.decode.in_flight -= 1
         d.decode.served += 1
         if self.auto is not None and d.decision is not None:
-            self.auto.prefilled(d.decision)  # a no-op unless it failed before its prefill was done
+            self.auto.prefilled(d.decision)  # a no-op unless not released yet (it failed, or push: D's
+            # answer ended before P's HTTP answer came; D's first token means P's prefill was done)
 
     # ---- the two flows -------------------------------------------------------------------
     async def _local(self, path: str, body: dict, d: Dispatch) -> aiohttp.ClientResponse:
