@@ -22,7 +22,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from kvpush.bench.regime import GRIDS, MODES, MapConfig, run_map
+from kvpush.bench.regime import FORCED, GRIDS, MODES, MapConfig, run_map
 from kvpush.bench.regime_report import report
 from kvpush.config import default_model_dir
 from kvpush.demo import ensure_model
@@ -33,7 +33,10 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="checkpoint (default: the bench preset, made if missing)")
     ap.add_argument("--quick", action="store_true", help="the ~10-minute subset")
     ap.add_argument("--mixed", action="store_true", help="one cell: auto's mixed workload at 70%% of capacity")
-    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=[*MODES, *FORCED])
+    ap.add_argument("--forced-routes", action="store_true",
+                    help="also run each fixed route forced on the auto deployment (auto@push, ...): auto vs the "
+                         "best of them compares routing on the same processes")
     ap.add_argument("--link-gbps", type=float, default=None, help="also map over a rate-limited link (root)")
     ap.add_argument("--run-s", type=float, default=None, help="seconds of load per mode and cell")
     ap.add_argument("--repeats", type=int, default=None,
@@ -55,7 +58,8 @@ def main() -> None:
         defaults = MapConfig(model=model)
         run_s, max_prompts = {"quick": (8.0, 40), "mixed": (30.0, 120)}.get(grid, (defaults.run_s,
                                                                                  defaults.max_prompts))
-        cfg = MapConfig(model=model, grid=grid, modes=tuple(args.modes), link_gbps=args.link_gbps,
+        modes = tuple(args.modes) + (FORCED if args.forced_routes and "auto" in args.modes else ())
+        cfg = MapConfig(model=model, grid=grid, modes=tuple(dict.fromkeys(modes)), link_gbps=args.link_gbps,
                         run_s=args.run_s or run_s, min_prompts=args.min_prompts or defaults.min_prompts,
                         max_prompts=args.max_prompts or max_prompts,
                         result_dir=args.result_dir, pin=not args.no_pin, auto_proxy_args=shlex.split(args.auto_proxy_args), repeats=args.repeats or (1 if grid == "full" else 2),

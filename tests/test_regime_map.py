@@ -85,3 +85,24 @@ def test_auto_proxy_args_reach_only_the_auto_deployments_proxy(tmp_path: Path):
     fleet = Fleet(cfg, str(tmp_path))
     assert fleet.deployments["auto"].proxy.argv[-2:] == ["--auto-stall-weight", "2"]
     assert "--auto-stall-weight" not in fleet.deployments["push"].proxy.argv
+
+
+def test_routes_forced_on_the_auto_deployment_are_compared_with_auto(tmp_path: Path):
+    """auto@push etc. run on auto's own processes: the summary compares auto with the fastest of them,
+    the findings count the cells, and the fleet starts no deployment of their own."""
+    from kvpush.bench.loadgen import _headers
+    from kvpush.bench.suite import Fleet, SuiteConfig
+
+    runs = {"push": [run(spread(100))], "auto": [run(spread(150))], "auto@push": [run(spread(100))],
+            "auto@pull": [run(spread(120))], "auto@push-layerwise": [run(spread(130))]}
+    s = summarize(Cell("full", 512, 32, 0.5, "none"), 1.0, runs, {"push": 30})
+    assert s["auto_vs_forced"]["best"] == "auto@push"
+    assert s["auto_vs_forced"]["ttft_p50"]["ratio"] == pytest.approx(1.5, rel=0.02)
+    assert s["auto_vs_forced"]["ttft_p50"]["verdict"] == "auto@push better"
+    text = findings({"cells": [s]})
+    assert "auto vs the best route forced on its own deployment (TTFT p50)**: worse beyond the interval in 1 of 1" in text
+    assert "auto_vs_forced" not in summarize(Cell("full", 512, 32, 0.5, "none"), 1.0,
+                                             {"push": runs["push"], "auto": runs["auto"]}, {})
+    assert _headers(None, "pull")["X-KVPush-KV-Mode"] == "pull" and "X-KVPush-KV-Mode" not in _headers(None)
+    fleet = Fleet(SuiteConfig(model="m", modes=("push", "auto", "auto@push")), str(tmp_path))
+    assert set(fleet.deployments) == {"push", "auto"}

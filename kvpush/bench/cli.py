@@ -115,6 +115,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     add("--api-key", default=None, help="sent as a bearer token; never written to results")
     add("--result-dir", default=DEFAULT_RESULT_DIR, help="where the run JSON files go")
     add("--mode-label", default="other", help="label stored as config.mode (push, pull, colocated...)")
+    add("--kv-route", default=None, choices=["push", "push-layerwise", "pull", "local"],
+        help="send X-KVPush-KV-Mode: a --kv-mode auto proxy takes this route for every request")
     add("--dataset", choices=("random", "sessions", "mixed", "sharegpt", "file"), default="random",
         help="sessions: multi-turn token-id prompts, each turn extending the previous (--session-turns, "
         "--turn-len); mixed: short (input-len/4), long (input-len x 2) and session prompts, a third each")
@@ -306,6 +308,7 @@ def _one_run(args: argparse.Namespace, k: int, rate: float, model: str) -> tuple
         base_url=args.base_url, model=model, request_rate=rate, burstiness=args.burstiness,
         max_concurrency=args.max_concurrency, num_warmups=args.num_warmups, ignore_eos=args.ignore_eos,
         seed=seed, api_key=args.api_key, timeout_s=args.timeout_s, progress=not args.no_progress,
+        kv_route=getattr(args, "kv_route", None),
     )
     result = run_load_sync(measured, cfg, warm or None)
     metrics = compute_metrics(result.records, result.duration_s, rate, args.slo)

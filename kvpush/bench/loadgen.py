@@ -91,6 +91,7 @@ class LoadConfig:
     api_key: str | None = None
     timeout_s: float = 600.0
     progress: bool = True
+    kv_route: str | None = None  # sent as X-KVPush-KV-Mode: a --kv-mode auto proxy then takes this route
 
 
 class _StreamError(Exception):
@@ -123,9 +124,12 @@ def request_body(sample: Sample, cfg: LoadConfig) -> dict[str, Any]:
     }
 
 
-def _headers(api_key: str | None) -> dict[str, str]:
-    """Request headers, with a bearer token when an API key is set."""
+def _headers(api_key: str | None, kv_route: str | None = None) -> dict[str, str]:
+    """Request headers, with a bearer token when an API key is set, and the route an auto proxy must
+    take when one is named."""
     headers = {"Content-Type": "application/json"}
+    if kv_route:
+        headers["X-KVPush-KV-Mode"] = kv_route
     if api_key:
         headers["Authorization"] = f"Bearer {api_key}"
     return headers
@@ -213,7 +217,7 @@ class _Client:
         self.session = session
         self.cfg = cfg
         self.url = cfg.base_url.rstrip("/") + COMPLETIONS_PATH
-        self.headers = _headers(cfg.api_key)
+        self.headers = _headers(cfg.api_key, cfg.kv_route)
 
     async def send(self, index: int, sample: Sample, t0: float, scheduled_s: float = 0.0) -> RequestRecord:
         """Send one request now and return its record; never raises for request failures."""

@@ -79,6 +79,15 @@ def findings(doc: dict[str, Any]) -> str:
     out.append(f"- **auto vs the best fixed mode of each cell (TTFT p50)**: worse beyond the interval in "
                f"{len(worse)} of {n} cell(s){': ' + '; '.join(worse) if worse else ''}; better in {len(better)}"
                f"{': ' + '; '.join(better) if better else ''}.")
+    forced = [c for c in cells if _cell_ratio(c, "auto_vs_forced", "ttft_p50") is not None]
+    if forced:
+        for key, what in (("ttft_p50", "TTFT p50"), ("ttft_p99", "TTFT p99"), ("tpot_p50", "TPOT p50")):
+            worse = [c["name"] for c in forced if (r := _cell_ratio(c, "auto_vs_forced", key)) is not None
+                     and r["verdict"] == f"{c['auto_vs_forced']['best']} better"]
+            better = _names(forced, "auto_vs_forced", key, "auto better")
+            out.append(f"- **auto vs the best route forced on its own deployment ({what})**: worse beyond the interval "
+                       f"in {len(worse)} of {len(forced)} cell(s){': ' + '; '.join(worse) if worse else ''}; better in "
+                       f"{len(better)}{': ' + '; '.join(better) if better else ''}.")
     for c in cells:
         each = c.get("auto_vs_each") or {}
         if c["cell"]["prefix"] == "mixed" and each:

@@ -54,6 +54,11 @@ class SuiteConfig:
     auto_proxy_args: list[str] = field(default_factory=list)  # extra `kvpush proxy` flags of the auto deployment
 
 
+def cfg_forced(modes: tuple[str, ...]) -> list[str]:
+    """Modes `deployment@route`: a route forced (X-KVPush-KV-Mode) on another mode's deployment."""
+    return [m for m in modes if "@" in m]
+
+
 class Fleet:
     """One serving endpoint per mode, started together and stopped together."""
 
@@ -61,6 +66,7 @@ class Fleet:
         """A colocated server and one 1P1D deployment per other mode (pull, push, push-layerwise, auto);
         with `link`, every deployment's P and D talk over it (the colocated server has no transfer)."""
         self.urls: dict[str, str] = {}
+        self.modes = cfg.modes
         self.colocated: ServerProcess | None = None
         self.deployments: dict[str, Deployment] = {}
         if "colocated" in cfg.modes:
@@ -68,7 +74,7 @@ class Fleet:
             self.colocated = ServerProcess(["serve", cfg.model, "--port", str(port), *cfg.serve_args],
                                            log_path=os.path.join(log_dir, "colocated.log"))
         for mode in cfg.modes:
-            if mode != "colocated":
+            if mode != "colocated" and "@" not in mode:  # auto@route: the auto deployment, a forced route
                 proxy_args = cfg.auto_proxy_args if mode == "auto" else []
                 self.deployments[mode] = Deployment(cfg.model, 1, 1, mode, free_port(), cfg.serve_args, proxy_args,
                                                     log_dir=os.path.join(log_dir, mode), pin=cfg.pin, link=link)
@@ -82,6 +88,8 @@ class Fleet:
             for mode, dep in self.deployments.items():
                 dep.start()
                 self.urls[mode] = dep.url
+            for mode in cfg_forced(self.modes):
+                self.urls[mode] = self.urls[mode.split("@", 1)[0]]
         except BaseException:
             self.stop()
             raise
