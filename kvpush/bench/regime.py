@@ -35,6 +35,8 @@ MODES = ("colocated", "pull", "push", "push-layerwise", "auto")
 FIXED = ("pull", "push", "push-layerwise")
 # Each fixed route forced on the auto deployment itself (X-KVPush-KV-Mode): auto against them compares
 # routing on the same processes, without the variance between deployments that auto vs FIXED carries.
+# They run their own prompt sets (one deployment's prefix caches would serve repeated prompts), so
+# auto vs forced is an unpaired comparison.
 FORCED = tuple(f"auto@{m}" for m in FIXED)
 ROUTES = ("push", "push-layerwise", "pull", "local")
 GRIDS: dict[str, dict[str, tuple]] = {
@@ -104,7 +106,10 @@ def run_cell(cfg: MapConfig, suite: SuiteConfig, fleet: Fleet, cell: Cell, rate:
     for rep in range(cfg.repeats):
         k = (index + rep) % len(modes)
         for mode in modes[k:] + modes[:k]:
-            doc, moved = _run_mode(cfg, suite, fleet, cell, rate, mode, cfg.seed + 1000 * index + rep)
+            seed = cfg.seed + 1000 * index + rep
+            if mode in FORCED:  # other prompts: auto's deployment would serve the same ones from its prefix caches
+                seed += 100 * (1 + FORCED.index(mode))
+            doc, moved = _run_mode(cfg, suite, fleet, cell, rate, mode, seed)
             runs[mode].append(doc)
             for r, n in moved.items():
                 routes[r] += n
