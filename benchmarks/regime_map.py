@@ -62,7 +62,8 @@ def main() -> None:
         cfg = MapConfig(model=model, grid=grid, modes=tuple(dict.fromkeys(modes)), link_gbps=args.link_gbps,
                         run_s=args.run_s or run_s, min_prompts=args.min_prompts or defaults.min_prompts,
                         max_prompts=args.max_prompts or max_prompts,
-                        result_dir=args.result_dir, pin=not args.no_pin, auto_proxy_args=shlex.split(args.auto_proxy_args), repeats=args.repeats or (1 if grid == "full" else 2),
+                        result_dir=args.result_dir, pin=not args.no_pin, auto_proxy_args=shlex.split(args.auto_proxy_args),
+                        repeats=args.repeats or (1 if grid == "full" else 2),
                         command=shlex.join(["python", "benchmarks/regime_map.py", *sys.argv[1:]]))
         path = run_map(cfg)
     print(report(path, args.readme, Path("docs/img/regime_map.png") if args.readme else None))

@@ -156,27 +156,29 @@ def summarize(cell: Cell, rate: float, runs: dict[str, list[dict]], routes: dict
                  "tpot_p50_ms": _pct(tpot[m], p50)} for m, docs in runs.items()}
     out: dict[str, Any] = {"cell": asdict(cell), "name": cell.name, "rate": rate, "modes": modes, "routes": routes}
     if "push" in runs and "pull" in runs:
-        out["push_vs_pull"] = {"ttft_p50": _ratio(runs["push"], runs["pull"], "ttft", p50, "push", "pull"),
-                               "ttft_p99": _ratio(runs["push"], runs["pull"], "ttft", p99, "push", "pull"),
-                               "tpot_p50": _ratio(runs["push"], runs["pull"], "tpot", p50, "push", "pull")}
+        out["push_vs_pull"] = _compare(runs, "push", "pull")
     fixed = [m for m in FIXED if m in runs and modes[m]["ttft_p50_ms"] is not None]
     if "auto" in runs and fixed:
-        best = min(fixed, key=lambda m: float(modes[m]["ttft_p50_ms"] or 0.0))
-        out["auto_vs_best"] = {"best": best,
-                               "ttft_p50": _ratio(runs["auto"], runs[best], "ttft", p50, "auto", best),
-                               "ttft_p99": _ratio(runs["auto"], runs[best], "ttft", p99, "auto", best),
-                               "tpot_p50": _ratio(runs["auto"], runs[best], "tpot", p50, "auto", best)}
-        out["auto_vs_each"] = {m: {"ttft_p50": _ratio(runs["auto"], runs[m], "ttft", p50, "auto", m),
-                                   "ttft_p99": _ratio(runs["auto"], runs[m], "ttft", p99, "auto", m),
-                                   "tpot_p50": _ratio(runs["auto"], runs[m], "tpot", p50, "auto", m)} for m in fixed}
+        best = _fastest(fixed, modes)
+        out["auto_vs_best"] = {"best": best, **_compare(runs, "auto", best)}
+        out["auto_vs_each"] = {m: _compare(runs, "auto", m) for m in fixed}
     forced = [m for m in FORCED if m in runs and modes[m]["ttft_p50_ms"] is not None]
     if "auto" in runs and forced:
-        best = min(forced, key=lambda m: float(modes[m]["ttft_p50_ms"] or 0.0))
-        out["auto_vs_forced"] = {"best": best, **{key: _ratio(runs["auto"], runs[best], metric, stat, "auto", best)
-                                                  for key, metric, stat in (("ttft_p50", "ttft", p50),
-                                                                            ("ttft_p99", "ttft", p99),
-                                                                            ("tpot_p50", "tpot", p50))}}
+        best = _fastest(forced, modes)
+        out["auto_vs_forced"] = {"best": best, **_compare(runs, "auto", best)}
     return out
+
+
+def _compare(runs: dict[str, list[dict]], a: str, b: str) -> dict[str, dict[str, Any] | None]:
+    """a/b ratios of TTFT p50, TTFT p99 and TPOT p50, each with its interval and verdict."""
+    return {"ttft_p50": _ratio(runs[a], runs[b], "ttft", p50, a, b),
+            "ttft_p99": _ratio(runs[a], runs[b], "ttft", p99, a, b),
+            "tpot_p50": _ratio(runs[a], runs[b], "tpot", p50, a, b)}
+
+
+def _fastest(candidates: list[str], modes: dict[str, dict]) -> str:
+    """The mode with the lowest TTFT p50."""
+    return min(candidates, key=lambda m: float(modes[m]["ttft_p50_ms"] or 0.0))
 
 
 def cells_for(cfg: MapConfig, link: str, input_len: int, output_len: int) -> list[Cell]:

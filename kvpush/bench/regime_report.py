@@ -62,6 +62,12 @@ def _names(cells: list[dict], group: str, key: str, outcome: str) -> list[str]:
     return [c["name"] for c in cells if (r := _cell_ratio(c, group, key)) is not None and r["verdict"] == outcome]
 
 
+def _worse(cells: list[dict], group: str, key: str) -> list[str]:
+    """Cells where auto lost to the `best` mode the group names, beyond the interval."""
+    return [c["name"] for c in cells if (r := _cell_ratio(c, group, key)) is not None
+            and r["verdict"] == f"{c[group]['best']} better"]
+
+
 def findings(doc: dict[str, Any]) -> str:
     """Plain-words boundaries, each with the cells behind it."""
     cells = doc["cells"]
@@ -72,8 +78,7 @@ def findings(doc: dict[str, Any]) -> str:
         out.append(f"- **{what}**: push better in {len(push)} cell(s){': ' + '; '.join(push) if push else ''}; "
                    f"pull better in {len(pull)}{': ' + '; '.join(pull) if pull else ''}; "
                    f"cannot tell in {len(tell)}.")
-    worse = [c["name"] for c in cells if (r := _cell_ratio(c, "auto_vs_best", "ttft_p50")) is not None
-             and r["verdict"] == f"{c['auto_vs_best']['best']} better"]
+    worse = _worse(cells, "auto_vs_best", "ttft_p50")
     better = _names(cells, "auto_vs_best", "ttft_p50", "auto better")
     n = sum(1 for c in cells if _cell_ratio(c, "auto_vs_best", "ttft_p50") is not None)
     out.append(f"- **auto vs the best fixed mode of each cell (TTFT p50)**: worse beyond the interval in "
@@ -82,8 +87,7 @@ def findings(doc: dict[str, Any]) -> str:
     forced = [c for c in cells if _cell_ratio(c, "auto_vs_forced", "ttft_p50") is not None]
     if forced:
         for key, what in (("ttft_p50", "TTFT p50"), ("ttft_p99", "TTFT p99"), ("tpot_p50", "TPOT p50")):
-            worse = [c["name"] for c in forced if (r := _cell_ratio(c, "auto_vs_forced", key)) is not None
-                     and r["verdict"] == f"{c['auto_vs_forced']['best']} better"]
+            worse = _worse(forced, "auto_vs_forced", key)
             better = _names(forced, "auto_vs_forced", key, "auto better")
             out.append(f"- **auto vs the best route forced on its own deployment ({what})**: worse beyond the interval "
                        f"in {len(worse)} of {len(forced)} cell(s){': ' + '; '.join(worse) if worse else ''}; better in "

@@ -54,11 +54,6 @@ class SuiteConfig:
     auto_proxy_args: list[str] = field(default_factory=list)  # extra `kvpush proxy` flags of the auto deployment
 
 
-def cfg_forced(modes: tuple[str, ...]) -> list[str]:
-    """Modes `deployment@route`: a route forced (X-KVPush-KV-Mode) on another mode's deployment."""
-    return [m for m in modes if "@" in m]
-
-
 class Fleet:
     """One serving endpoint per mode, started together and stopped together."""
 
@@ -66,7 +61,8 @@ class Fleet:
         """A colocated server and one 1P1D deployment per other mode (pull, push, push-layerwise, auto);
         with `link`, every deployment's P and D talk over it (the colocated server has no transfer)."""
         self.urls: dict[str, str] = {}
-        self.modes = cfg.modes
+        # `deployment@route`: a route forced (X-KVPush-KV-Mode) on another mode's deployment, no processes of its own
+        self.forced = [m for m in cfg.modes if "@" in m]
         self.colocated: ServerProcess | None = None
         self.deployments: dict[str, Deployment] = {}
         if "colocated" in cfg.modes:
@@ -74,7 +70,7 @@ class Fleet:
             self.colocated = ServerProcess(["serve", cfg.model, "--port", str(port), *cfg.serve_args],
                                            log_path=os.path.join(log_dir, "colocated.log"))
         for mode in cfg.modes:
-            if mode != "colocated" and "@" not in mode:  # auto@route: the auto deployment, a forced route
+            if mode != "colocated" and mode not in self.forced:
                 proxy_args = cfg.auto_proxy_args if mode == "auto" else []
                 self.deployments[mode] = Deployment(cfg.model, 1, 1, mode, free_port(), cfg.serve_args, proxy_args,
                                                     log_dir=os.path.join(log_dir, mode), pin=cfg.pin, link=link)
@@ -88,7 +84,7 @@ class Fleet:
             for mode, dep in self.deployments.items():
                 dep.start()
                 self.urls[mode] = dep.url
-            for mode in cfg_forced(self.modes):
+            for mode in self.forced:
                 self.urls[mode] = self.urls[mode.split("@", 1)[0]]
         except BaseException:
             self.stop()
