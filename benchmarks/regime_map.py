@@ -3,6 +3,7 @@
     python benchmarks/regime_map.py --quick                 # ~10 min: 512/32, loads 50/80%, no prefix / sessions
     python benchmarks/regime_map.py                         # the full grid (about an hour)
     sudo python benchmarks/regime_map.py --link-gbps 0.5    # and again with P and D over a 0.5 Gbit/s link
+    sudo python benchmarks/regime_map.py --quick --link-gbps 0.25 --link-only   # only over the slow link
     python benchmarks/regime_map.py --mixed --result-dir kvpush-results/auto_mixed   # auto's target workload
     python benchmarks/regime_map.py --report-only --readme README.md   # regenerate the README section
 
@@ -38,6 +39,7 @@ def main() -> None:
                     help="also run each fixed route forced on the auto deployment (auto@push, ...): auto vs the "
                          "best of them compares routing on the same processes")
     ap.add_argument("--link-gbps", type=float, default=None, help="also map over a rate-limited link (root)")
+    ap.add_argument("--link-only", action="store_true", help="with --link-gbps: only over the rate-limited link")
     ap.add_argument("--run-s", type=float, default=None, help="seconds of load per mode and cell")
     ap.add_argument("--repeats", type=int, default=None,
                     help="runs per mode and cell, the order rotating, pooled (default: 2; full grid 1)")
@@ -52,6 +54,10 @@ def main() -> None:
     args = ap.parse_args()
     grid = "mixed" if args.mixed else "quick" if args.quick else "full"
     assert grid in GRIDS
+    if args.link_only and args.link_gbps is None:
+        ap.error("--link-only needs --link-gbps")
+    if args.link_gbps is not None and not args.link_gbps > 0:
+        ap.error("--link-gbps must be positive")
     path = Path(args.result_dir) / "regime_map.json"
     if not args.report_only:
         model = args.model or ensure_model(default_model_dir(), "bench")
@@ -60,6 +66,7 @@ def main() -> None:
                                                                                  defaults.max_prompts))
         modes = tuple(args.modes) + (FORCED if args.forced_routes and "auto" in args.modes else ())
         cfg = MapConfig(model=model, grid=grid, modes=tuple(dict.fromkeys(modes)), link_gbps=args.link_gbps,
+                        full_link=not args.link_only,
                         run_s=args.run_s or run_s, min_prompts=args.min_prompts or defaults.min_prompts,
                         max_prompts=args.max_prompts or max_prompts,
                         result_dir=args.result_dir, pin=not args.no_pin, auto_proxy_args=shlex.split(args.auto_proxy_args),

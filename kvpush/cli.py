@@ -197,6 +197,12 @@ def add_proxy_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--auto-local-max-ms", type=non_negative_float, default=_default(ProxyConfig, "auto_local_max_ms"),
                    help="--kv-mode auto: D prefills a request itself only if that takes at most this long, or "
                         "if P's queue would hold the request at least as long as D's local queue and prefill")
+    p.add_argument("--auto-local-share", type=non_negative_float, default=_default(ProxyConfig, "auto_local_share"),
+                   help="--kv-mode auto: at most this share of each D's time goes to prefilling requests locally "
+                        "(bounds what that adds to TPOT; 1: no limit, 0: only when no P is usable)")
+    p.add_argument("--auto-local-window-s", type=positive_float,
+                   default=_default(ProxyConfig, "auto_local_window_s"),
+                   help="--kv-mode auto: the local share is kept over about this long (a burst may use it at once)")
 
 
 def cmd_proxy(args: argparse.Namespace) -> int:
@@ -212,7 +218,8 @@ def cmd_proxy(args: argparse.Namespace) -> int:
                          port=args.port, kv_mode=KVMode(args.kv_mode), first_token=FirstToken(args.first_token),
                          policy=args.policy, api_key=args.api_key, instance_api_key=args.instance_api_key,
                          probe_interval_s=args.probe_interval_s, auto_stall_weight=args.auto_stall_weight,
-                         auto_local_max_ms=args.auto_local_max_ms)
+                         auto_local_max_ms=args.auto_local_max_ms, auto_local_share=args.auto_local_share,
+                         auto_local_window_s=args.auto_local_window_s)
     asyncio.run(serve_proxy(config))
     return 0
 

@@ -226,6 +226,10 @@ class ProxyConfig:
     # --kv-mode auto: D prefills locally only what it can prefill in this long (a tail guard), unless
     # P's queue would hold the request at least as long as D's local queue and prefill (a burst at P)
     auto_local_max_ms: float = 64.0
+    # --kv-mode auto: the share of each D's time its local prefills may take (a token bucket
+    # auto_local_share * auto_local_window_s seconds deep; >= 1: no limit): what they add to TPOT
+    auto_local_share: float = 1.0
+    auto_local_window_s: float = 10.0
 
 
 def env_str(name: str, default: str | None = None) -> str | None:

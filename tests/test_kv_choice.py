@@ -19,7 +19,7 @@ from kvpush.server.kv_choice import (
     Route,
     outcome,
 )
-from kvpush.server.kv_fit import RestModel
+from kvpush.server.kv_fit import LocalBudget, RestModel
 
 BS = 8
 PAIR = ("http://p", "http://d")
@@ -299,3 +299,62 @@ def test_local_is_tried_before_d_measured_it_when_the_uncached_part_is_short():
         m.observe(Decision(Route.PUSH, n, 0, 0, 0, 0, 0, PAIR), Outcome(0.3 + 0.0004 * n, 0.29 + 0.0004 * n, None, n, 0))
     d = m.choose(decision(tokens=600, d_prefix=512))
     assert d.route is Route.LOCAL and d.estimates_s["local"] == pytest.approx(88 * 0.0004, rel=0.05)
+
+
+def test_local_budget_fills_at_its_share_and_lets_a_full_bucket_through_once():
+    b = LocalBudget(share=0.1, window_s=2.0)  # 0.2 s deep, 0.1 s of prefill per second
+    assert b.allows("d", 0.15, now=0.0)
+    b.charge("d", 0.15, now=0.0)
+    assert not b.allows("d", 0.1, now=0.0) and b.allows("d", 0.05, now=0.0)
+    assert b.allows("d", 0.1, now=0.5)  # 0.05 + 0.5 s x 0.1
+    assert b.allows("other", 0.2, now=0.0)  # per D
+    assert b.available("d", now=100.0) == pytest.approx(0.2)  # never above its depth
+    assert b.allows("d", 5.0, now=100.0)  # longer than the bucket: through when it is full...
+    b.charge("d", 5.0, now=100.0)
+    assert not b.allows("d", 0.01, now=120.0)  # ...and the debt is paid before the next (4.8 - 2.0 s)
+    assert b.allows("d", 0.01, now=148.2)
+
+
+def test_local_budget_limits_zero_and_one():
+    never, always = LocalBudget(0.0, 10.0), LocalBudget(1.0, 10.0)
+    assert not never.allows("d", 0.0001, now=1e6)
+    always.charge("d", 1e9, now=0.0)
+    assert always.allows("d", 1e9, now=0.0)
+
+
+def test_router_goes_remote_once_ds_local_budget_is_spent_and_local_again_when_it_refills():
+    now = [0.0]
+    r = AutoRouter(local_share=0.1, local_window_s=1.0, clock=lambda: now[0])  # 0.1 s of D prefill
+    # 40 new tokens: the priors put D's prefill at 16 ms, cheaper than any remote route
+    def route(seed: int, p_url: str | None = "http://p") -> Route:
+        d = r.decide({"prompt": ids(40, seed=seed)}, p_url, "http://d", 0, BS)
+        r.dispatched(d)
+        r.prefilled(d)
+        return d.route
+
+    assert [route(s) for s in range(7)] == [Route.LOCAL] * 6 + [Route.PUSH]
+    assert route(7, p_url=None) is Route.LOCAL  # no usable P: local regardless (and charged)
+    forced = r.decide({"prompt": ids(40, seed=99)}, "http://p", "http://d", 0, BS, forced=Route.LOCAL)
+    r.dispatched(forced)  # a route the client named is charged too
+    r.prefilled(forced)
+    assert r.budget.available("http://d", 0.0) == pytest.approx(0.004 - 0.032)
+    now[0] = 0.3  # 0.03 s back: not enough for another
+    assert route(8) is Route.PUSH
+    now[0] = 1.0
+    assert route(9) is Route.LOCAL
+
+
+def test_a_route_that_slows_ps_prefill_is_charged_for_it():
+    """Push-layerwise's KV lands sooner after P's prefill (its rest is shorter), but its layer hooks make
+    P's prefill slower: the P line alone, shared by every route, would hide that and favour it."""
+    m = CostModel()
+    m.samples = dict.fromkeys(Route, 50)  # no exploring in this test
+    for i in range(60):
+        n = (128, 512, 1024)[i % 3]
+        for route, per_token, rest in ((Route.PUSH, 0.0004, 0.004), (Route.PUSH_LAYERWISE, 0.00048, 0.002)):
+            p_time = 0.01 + per_token * n
+            m.observe(Decision(route, n, 0, 0, 0, 0, 0, PAIR), Outcome(p_time + rest, p_time, None, n, 0))
+    assert m.p_route.slope("push-layerwise") - m.p_route.slope("push") == pytest.approx(0.00008, rel=0.2)
+    d = m.choose(decision(tokens=512, d_running=2), (Route.PUSH, Route.PUSH_LAYERWISE))
+    assert d.route is Route.PUSH
+    assert d.estimates_s["push-layerwise"] - d.estimates_s["push"] == pytest.approx(512 * 0.00008 - 0.002, rel=0.25)

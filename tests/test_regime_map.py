@@ -106,3 +106,31 @@ def test_routes_forced_on_the_auto_deployment_are_compared_with_auto(tmp_path: P
     assert _headers(None, "pull")["X-KVPush-KV-Mode"] == "pull" and "X-KVPush-KV-Mode" not in _headers(None)
     fleet = Fleet(SuiteConfig(model="m", modes=("push", "auto", "auto@push")), str(tmp_path))
     assert set(fleet.deployments) == {"push", "auto"}
+
+
+def test_link_only_maps_the_slow_link_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """--link-only skips the full-speed grid; without a link the full grid runs regardless. (The links and
+    fleets are stood in for: this checks which grids run, tests/test_netlink.py the link itself.)"""
+    import kvpush.bench.regime as regime
+    import kvpush.netlink as netlink
+
+    mapped: list[str] = []
+    monkeypatch.setattr(regime, "map_link", lambda cfg, name, link, results, save: mapped.append(name))
+    monkeypatch.setattr(netlink, "require_root", lambda: None)
+
+    class Link:
+        def __init__(self, config: object) -> None:
+            pass
+
+        def start(self) -> Link:
+            return self
+
+        def close(self) -> None:
+            mapped.append("closed")
+
+    monkeypatch.setattr(netlink, "RateLimitedLink", Link)
+    for full_link, gbps, expect in ((False, 0.25, ["0.25 Gbit/s", "closed"]),
+                                    (True, 0.25, ["full", "0.25 Gbit/s", "closed"]), (False, None, ["full"])):
+        mapped.clear()
+        regime.run_map(MapConfig(model="m", link_gbps=gbps, full_link=full_link, result_dir=str(tmp_path)))
+        assert mapped == expect

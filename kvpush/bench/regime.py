@@ -54,6 +54,7 @@ class MapConfig:
     grid: str = "quick"
     modes: tuple[str, ...] = MODES
     link_gbps: float | None = None  # also map P and D over a rate-limited link (root)
+    full_link: bool = True  # also (or, with a link_gbps, only) the grid at full loopback speed
     run_s: float = 20.0
     min_prompts: int = 12
     max_prompts: int = 40
@@ -223,7 +224,8 @@ def run_map(cfg: MapConfig) -> Path:
                "cells": results}
         path.write_text(json.dumps(doc, indent=1))
 
-    map_link(cfg, "full", None, results, save)
+    if cfg.full_link or cfg.link_gbps is None:
+        map_link(cfg, "full", None, results, save)
     if cfg.link_gbps is not None:
         from kvpush.netlink import LinkConfig, RateLimitedLink, require_root
 

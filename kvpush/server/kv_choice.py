@@ -19,6 +19,9 @@ Signals (all free for the proxy; no extra round trip):
                 at P they are many: counting them would keep D's prefill out exactly when it helps
 Learned lines (Line: decayed least squares y = a + b x), from every finished request's trace:
     prefill             P's api_received -> prefill done        vs tokens P computed (+ its queue)
+    p_route[route]      what each route adds per token to P's prefill (kv_fit.RouteSlope, on the residuals
+                        of the prefill line): push-layerwise's layer hooks and per-layer WRITEs and push's
+                        WRITE run on P's core, and the prefill line alone would charge them to every route
     local               D's api_received -> first token         vs tokens D computed (+ its queue)
     rest[route, P, D]   TTFT - P's part                       vs tokens moved (prompt - D's prefix):
                         and the requests decoding on D: one fit over every remote route,
@@ -28,13 +31,17 @@ Learned lines (Line: decayed least squares y = a + b x), from every finished req
     (TTFT = proxy received -> D's leg sent on the proxy's clock + D's api_received -> first token on
     D's: no two clocks are subtracted from each other, so it holds across hosts.)
 Estimates and costs (seconds):
-    remote r:  prefill(p_queue + tokens - p_prefix) + rest[r, P, D](tokens - d_prefix)
+    remote r:  prefill(p_queue + tokens - p_prefix) + p_route[r](tokens - p_prefix)
+               + rest[r, P, D](tokens - d_prefix)
     local:     local(d_queue + tokens - d_prefix); its cost adds the stall it inflicts on D's running
                requests: local(tokens - d_prefix) x d_running x stall_weight. Local is not considered
                at all when that prefill would take longer than local_max_s (--auto-local-max-ms): the
                tail guard, as a prefill that long also delays whoever arrives at D meanwhile - unless
                P's queue alone would hold the request at least as long as D's local queue and its
-               prefill would (a burst at P)
+               prefill would (a burst at P); nor when D's local budget is spent (--auto-local-share:
+               a token bucket per D of the prefill time local requests may take, kv_fit.LocalBudget,
+               charged each local dispatch's estimate), which bounds what local prefills add to the
+               TPOT of D's decoding requests
 Every EXPLORE_EVERY-th decision (every EXPLORE_EVERY_LATER-th once each route has WELL_MEASURED
 samples) takes the route with the fewest samples instead, so that a route that looks worse at first
 is still measured and the lines follow the load; a route the client named is never overridden.
@@ -44,11 +51,13 @@ Not used: descriptor count (pull's READ cost grows with fragmented KV; on one ho
 from __future__ import annotations
 
 import math
+import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from kvpush.server.kv_fit import Line, RestModel
+from kvpush.server.kv_fit import Line, LocalBudget, RestModel, RouteSlope
 
 CHARS_PER_UNIT = 64  # prefix tracking granularity of text prompts
 TRACKER_UNITS = 65536  # prefix chunks remembered per instance
@@ -153,6 +162,7 @@ class Decision:
     forced: bool = False
     key: PromptKey | None = None
     prefilled: bool = False  # its tokens have left the prefill queue they were counted in
+    local_s: float = 0.0  # D's prefill time for it, were it local (the queue not included)
 
     def to_json(self) -> dict:
         """What the request's answer says about it (`kvpush_route`)."""
@@ -180,6 +190,7 @@ class CostModel:
         self.local_max_s = local_max_s
         self.tokens_per_char = PRIOR_TOKENS_PER_CHAR
         self.prefill = Line(0.005, 0.0004)
+        self.p_route = RouteSlope()  # P's prefill per route: + k[route] x tokens P computes for it
         self.local = Line(0.005, 0.0004)
         # Priors: push first (its handover is the shortest measured), layer-wise, then pull.
         self.rest = RestModel((Route.PUSH.value, Route.PUSH_LAYERWISE.value, Route.PULL.value),
@@ -206,13 +217,14 @@ class CostModel:
     def estimate(self, route: Route, d: Decision) -> float:
         if route is Route.LOCAL:
             return self.local_line()(d.d_queue + d.tokens - d.d_prefix)
-        return self.prefill(d.p_queue + d.tokens - d.p_prefix) + self.rest(d.tokens - d.d_prefix, d.d_running, route.value,
-                                                                         d.pair)
+        own = d.tokens - d.p_prefix
+        p_part = max(self.prefill(d.p_queue + own) + self.p_route(route.value, own), 0.0)
+        return p_part + self.rest(d.tokens - d.d_prefix, d.d_running, route.value, d.pair)
 
     def cost(self, route: Route, d: Decision) -> float:
         est = d.estimates_s[route.value]
         if route is Route.LOCAL:
-            est += self.local_line()(d.tokens - d.d_prefix) * d.d_running * self.stall_weight
+            est += self.local_s(d) * d.d_running * self.stall_weight
         return est
 
     def p_queue_delay(self, d: Decision) -> float:
@@ -221,6 +233,10 @@ class CostModel:
         own = d.tokens - d.p_prefix
         return self.prefill(d.p_queue + own) - self.prefill(own)
 
+    def local_s(self, d: Decision) -> float:
+        """D's prefill of this prompt's uncached part, without D's queue."""
+        return self.local_line()(d.tokens - d.d_prefix)
+
     def local_allowed(self, d: Decision) -> bool:
         """Local is a candidate when D's prefill of the uncached part takes at most local_max_s (longer,
         it would stall every request on D, and those arriving during it, that long), or when P's queue
@@ -228,8 +244,8 @@ class CostModel:
         burst at P, which D's stall then relieves (as Dynamo prefills locally when the prefill queue is
         long). D's queue counts, so that in a long burst D's local work stays below P's backlog. The
         cost still charges the stall."""
-        own = self.local_line()(d.tokens - d.d_prefix)
-        return own <= self.local_max_s or self.p_queue_delay(d) >= self.local_line()(d.d_queue + d.tokens - d.d_prefix)
+        burst = self.p_queue_delay(d) >= self.local_line()(d.d_queue + d.tokens - d.d_prefix)
+        return self.local_s(d) <= self.local_max_s or burst
 
     def choose(self, d: Decision, allowed: tuple[Route, ...] | None = None) -> Decision:
         """Fill in the estimates of every allowed route and pick the cheapest (or explore). Local is
@@ -262,7 +278,9 @@ class CostModel:
             if out.d_time_s is not None:
                 self.local.add(d.d_queue + moved, out.d_time_s)
         elif out.p_time_s is not None:
-            self.prefill.add(d.p_queue + tokens - d.p_prefix, out.p_time_s)
+            own = tokens - d.p_prefix
+            self.p_route.add(d.route.value, own, out.p_time_s - self.prefill(d.p_queue + own))
+            self.prefill.add(d.p_queue + own, out.p_time_s)
             self.rest.add(moved, d.d_running, max(out.ttft_s - out.p_time_s, 0.0), d.route.value, d.pair)
         est = d.estimates_s.get(d.route.value)
         return out.ttft_s / est if est and math.isfinite(est) and est > 0 else None
@@ -290,8 +308,11 @@ class AutoRouter:
     """The proxy's side of --kv-mode auto: decides, keeps the per-instance prefix trackers and queued
     prefill tokens, and learns from answers. Instances are named by URL."""
 
-    def __init__(self, stall_weight: float = 1.0, local_max_s: float = 0.064) -> None:
+    def __init__(self, stall_weight: float = 1.0, local_max_s: float = 0.064, local_share: float = 1.0,
+                 local_window_s: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.model = CostModel(stall_weight=stall_weight, local_max_s=local_max_s)
+        self.budget = LocalBudget(local_share, local_window_s)
+        self.clock = clock
         self.trackers: dict[str, PrefixTracker] = {}
         self.queued: dict[str, float] = {}  # url -> prompt tokens still to prefill there
         self.pending: dict[str, int] = {}  # D url -> its requests whose prefill is not done yet
@@ -314,10 +335,14 @@ class AutoRouter:
         d = Decision(Route.LOCAL, m.tokens(key), p_prefix, m.prefix_tokens(key, self.tracker(d_url).matched(key)),
                      self.queued.get(p_url or "", 0.0), self.queued.get(d_url, 0.0), decoding,
                      (p_url or "", d_url), key=key)
+        d.local_s = m.local_s(d)
         if forced is not None:
             d.forced = True
             return m.choose(d, (forced,))
-        return m.choose(d, m.routes if p_url else (Route.LOCAL,))
+        if not p_url:
+            return m.choose(d, (Route.LOCAL,))
+        spent = not self.budget.allows(d_url, d.local_s, self.clock())
+        return m.choose(d, tuple(r for r in m.routes if r.remote) if spent else m.routes)
 
     def dispatched(self, d: Decision) -> None:
         """The legs are on their way: count the prefill they queue, remember what each instance holds."""
@@ -325,6 +350,8 @@ class AutoRouter:
         url = p_url if d.route.remote else d_url
         self.queued[url] = self.queued.get(url, 0.0) + d.tokens
         self.pending[d_url] = self.pending.get(d_url, 0) + 1
+        if not d.route.remote:
+            self.budget.charge(d_url, d.local_s, self.clock())
         if d.key is not None:
             self.tracker(d_url).record(d.key)
             if d.route.remote:

@@ -7,6 +7,8 @@
                 and c, e are the differences between routes and pairs measured side by side (ridge: c
                 pulled towards its prior as strongly as RIDGE samples would, e towards the first pair
                 seen only as PAIR_RIDGE samples would: pairs differ by their links)
+    RouteSlope  what a route adds per token to P's prefill time (residuals of the shared prefill line)
+    LocalBudget a token bucket per D of the time its local prefills may take (auto's local route)
 """
 
 from __future__ import annotations
@@ -119,3 +121,59 @@ class RestModel:
         if self.pair_n.get(pair, 0) < 2:  # an unmeasured pair: as the first pair
             f[2 + len(self.routes) :] = 0.0
         return max(float(f @ coef), 0.0)
+
+
+class RouteSlope:
+    """What a route adds per token to a time every route shares (P's prefill: push-layerwise's layer
+    hooks and per-layer WRITEs, push's WRITE run on P's core): k[route] seconds per token, a decayed
+    least squares through the origin of (tokens, residual of the shared line) per route, pulled
+    towards 0 as strongly as RIDGE samples of SLOPE_SCALE tokens would. Relative: the shared line
+    fits every route's samples, so the most taken route sits near 0 and the others differ from it."""
+
+    def __init__(self, half_life: float = 50.0) -> None:
+        self.decay = 0.5 ** (1.0 / half_life)
+        self.sums: dict[str, tuple[float, float]] = {}  # route -> (sum w x^2, sum w x y)
+
+    def add(self, route: str, tokens: float, residual: float) -> None:
+        sxx, sxy = self.sums.get(route, (0.0, 0.0))
+        self.sums[route] = (sxx * self.decay + tokens * tokens, sxy * self.decay + tokens * residual)
+
+    def slope(self, route: str) -> float:
+        sxx, sxy = self.sums.get(route, (0.0, 0.0))
+        return sxy / (sxx + RIDGE * SLOPE_SCALE**2)
+
+    def __call__(self, route: str, tokens: float) -> float:
+        return self.slope(route) * max(tokens, 0.0)
+
+
+class LocalBudget:
+    """How much of each D's time local prefills may take: a token bucket per D, in seconds of D's
+    prefill. It fills at `share` seconds per second up to `share * window_s`; a local prefill is
+    allowed while the bucket holds its estimated time (or the bucket is full: one prefill longer
+    than the whole bucket still gets through, and leaves it in debt), and is charged that time.
+    Over any long stretch D then spends at most about `share` of its time prefilling for auto's
+    local route, which bounds what those prefills add to the TPOT of D's decoding requests, while
+    the bucket's depth lets a burst at P use D's saved-up time at once. share >= 1: no limit; share 0:
+    no local prefill (but where it is the only route)."""
+
+    def __init__(self, share: float, window_s: float) -> None:
+        self.share, self.capacity = share, share * window_s
+        self.level: dict[str, tuple[float, float]] = {}  # D url -> (seconds in the bucket, as of when)
+
+    @property
+    def unlimited(self) -> bool:
+        return self.share >= 1.0
+
+    def available(self, url: str, now: float) -> float:
+        level, since = self.level.get(url, (self.capacity, now))
+        return min(self.capacity, level + self.share * max(now - since, 0.0))
+
+    def allows(self, url: str, seconds: float, now: float) -> bool:
+        if self.unlimited:
+            return True
+        left = self.available(url, now)
+        return left >= seconds or 0 < self.capacity <= left
+
+    def charge(self, url: str, seconds: float, now: float) -> None:
+        if not self.unlimited:
+            self.level[url] = (self.available(url, now) - max(seconds, 0.0), now)

@@ -68,8 +68,8 @@ class Proxy(InstancePool):
         super().__init__(config)
         self.config = config
         self.metrics = ProxyMetrics()
-        self.auto = (AutoRouter(config.auto_stall_weight, config.auto_local_max_ms / 1e3)
-                     if config.kv_mode is KVMode.AUTO else None)
+        self.auto = (AutoRouter(config.auto_stall_weight, config.auto_local_max_ms / 1e3, config.auto_local_share,
+                                config.auto_local_window_s) if config.kv_mode is KVMode.AUTO else None)
         self.session: aiohttp.ClientSession | None = None
         self._prober: asyncio.Task | None = None
 
