@@ -78,3 +78,23 @@ def test_done_reaches_a_sleeping_decode(cluster, rings):
     else:
         quiesce(p, d)
         assert d.worker.doorbell.rings == 0
+
+
+def test_the_target_of_a_write_in_flight_is_rung_until_it_ends(cluster):
+    """Over tcp a WRITE moves only while D's worker is called too: P rings D every RING_REFRESH_S while
+    its WRITE is in flight (each ring keeps D polling), and stops once the WRITE ended."""
+    p, d = make_pair(cluster)
+    assert p.worker is not None and d.worker is not None
+    p.agent.delay_completion_polls = 10**9  # the WRITE stays in flight until finish_delayed
+    tid = pr.new_transfer_id()
+    start_push(p, d, tid, "register_first")
+    wait_until(p.agent.in_flight, what="the WRITE is posted")
+    before = d.worker.doorbell.rings
+    wait_until(lambda: d.worker.doorbell.rings >= before + 3, what="P keeps ringing D")
+    assert d.events.of(KVReady, tid) == []
+    p.agent.finish_delayed()
+    d.events.wait(KVReady, tid)
+    quiesce(p, d)
+    after = d.worker.doorbell.rings
+    quiesce(p, d)
+    assert d.worker.doorbell.rings == after and not p.worker._rung  # nothing in flight: no more rings

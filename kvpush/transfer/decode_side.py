@@ -138,3 +138,7 @@ class DecodeSide:
     def relaxed(self) -> bool:
         """Never: D waiting for its peers' Done sleeps on its doorbell (thread.py's Pacer)."""
         return False
+
+    def in_flight_peers(self) -> set[str]:
+        """None beyond the posted READs (thread.py rings those peers itself)."""
+        return set()

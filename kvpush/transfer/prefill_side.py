@@ -172,6 +172,12 @@ class PrefillSide:
         self.layerwise.post_ready(rec.transfer_id)
         self._layerwise_settled(rec.transfer_id)
 
+    def in_flight_peers(self) -> set[str]:
+        """Peers (agent names) that layer writes of ours are in flight to."""
+        if self.layerwise is None:
+            return set()
+        return {t.peer for t in self.layerwise.transfers.values() if t.in_flight and t.peer}
+
     def poll(self) -> bool:
         """Poll the layer writes in flight; settle the transfers whose writes all ended."""
         settled = self.layerwise.poll() if self.layerwise is not None else []

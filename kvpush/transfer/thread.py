@@ -17,6 +17,7 @@ decides how long to wait before the next round (the only place the thread waits)
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -49,6 +50,8 @@ WAITING_POLL_S = 0.05  # live records wait for a peer: sleep on the doorbell, lo
 MAX_BACKOFF_S = 0.0005  # something latency-critical is outstanding: poll at least this often
 RELAXED_POLL_S = 0.001  # P's layer-wise writes follow the forward pass
 GRACE_S = 0.02  # after a ring or any progress, poll tightly this long (a notification may trail its ring)
+RING_REFRESH_S = 0.01  # while a transfer of ours is in flight, ring its peer this often (over tcp it moves
+# only while the peer calls into NIXL too: each ring keeps the peer in its grace)
 HOUSEKEEPING_S = 0.01
 # Records in these states wait for something a doorbell announces (P: its prefill, a registration or
 # a READ's end; D: its peer's Done); any other live record is latency-critical work of this thread.
@@ -69,6 +72,7 @@ class RoleSide(Protocol):
     def expired(self, rec: TransferRecord) -> None: ...
     def housekeeping(self, now: float) -> bool: ...
     def relaxed(self) -> bool: ...
+    def in_flight_peers(self) -> set[str]: ...
 
 
 class Pacer:
@@ -154,6 +158,7 @@ class TransferThread(threading.Thread):
         self._stopping = threading.Event()  # not `_stop`: that name is Thread's own
         self._last_housekeeping = 0.0
         self._received = False  # this round read a notification
+        self._rung: dict[str, float] = {}  # peer agent name -> when we last rang it for a transfer in flight
 
     # ---- thread API (any thread) -----------------------------------------------------------
     @property
@@ -248,10 +253,28 @@ class TransferThread(threading.Thread):
                 self.peers.sent = True
             progressed = True
         progressed |= self.side.poll()
+        self._ring_targets()
         progressed |= self._poll_notifs()
         progressed |= self._housekeeping()
         progressed |= self.peers.send_delayed()
         return progressed
+
+    def _ring_targets(self) -> None:
+        """Ring the peer of every transfer of ours in flight, at most every RING_REFRESH_S. Over tcp UCX
+        emulates a WRITE (READ) with messages that the target's worker must receive, and with its
+        progress thread off (nixl_agent.py) a worker only receives inside a NIXL call: a D waiting for
+        its KV sleeps WAITING_POLL_S between calls, the link stalls when its socket buffer is full, and
+        a 200-ms WRITE over a 0.25 Gbit/s link took 25% longer than the same READ. A ring puts the
+        peer in its grace (tight polling) until the next one; over shared memory and cma the data
+        moves without the target and the transfer ends before a second ring."""
+        now = time.monotonic()
+        targets = {t.peer for t in self.posted.transfers.values()} | self.side.in_flight_peers()
+        for peer in targets:
+            if now - self._rung.get(peer, -math.inf) >= RING_REFRESH_S:
+                self.peers.ring(peer)
+                self._rung[peer] = now
+        for peer in [p for p in self._rung if p not in targets]:
+            del self._rung[peer]
 
     def _drain(self) -> bool:
         progressed = False
