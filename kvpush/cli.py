@@ -149,6 +149,9 @@ def add_transfer_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-lease-s", type=float, default=_default(TransferConfig, "kv_lease_s"))
     g.add_argument("--kv-timeout-s", type=float, default=_default(TransferConfig, "kv_timeout_s"))
     g.add_argument("--kv-quarantine-s", type=float, default=_default(TransferConfig, "kv_quarantine_s"))
+    g.add_argument("--kv-writes-per-peer", type=int, default=_default(TransferConfig, "kv_writes_per_peer"),
+                   help="prefill: whole-request WRITEs in flight to one decode instance at a time, the rest "
+                        "queued in order (0: no limit)")
     g.add_argument("--on-kv-failure", default=_default(TransferConfig, "on_kv_failure").value,
                    choices=[m.value for m in OnKVFailure])
     g.add_argument("--fault-inject", action="append", default=[], metavar="NAME[:VALUE]",
@@ -161,7 +164,8 @@ def transfer_config_from_args(args: argparse.Namespace) -> TransferConfig:
         return TransferConfig(kv_mode=KVMode(args.kv_mode), kv_port=args.kv_port, kv_host=args.kv_host,
                               kv_advertise_host=args.kv_advertise_host, kv_quarantine_s=args.kv_quarantine_s,
                               kv_secret=args.kv_secret, kv_lease_s=args.kv_lease_s, kv_timeout_s=args.kv_timeout_s,
-                              on_kv_failure=OnKVFailure(args.on_kv_failure), faults=faults)
+                              on_kv_failure=OnKVFailure(args.on_kv_failure), faults=faults,
+                              kv_writes_per_peer=args.kv_writes_per_peer)
     except ValueError as e:
         raise SystemExit(f"kvpush: {e}") from e
 

@@ -194,6 +194,9 @@ class TransferConfig:
     # peer confirms nothing is in flight (it only has to cover how long a posted WRITE can take).
     kv_quarantine_s: float = 10.0
     on_kv_failure: OnKVFailure = OnKVFailure.ERROR
+    # P: whole-request WRITEs in flight to one D at a time (0: no limit). Concurrent WRITEs over one
+    # link share it and end together; one at a time, the first ends as soon as if it were alone.
+    kv_writes_per_peer: int = 1
     # Fault injection for tests, off unless given: see Faults.
     faults: Faults = field(default_factory=lambda: Faults())
 
@@ -202,6 +205,8 @@ class TransferConfig:
             raise ValueError("--kv-lease-s and --kv-timeout-s must be positive")
         if self.kv_quarantine_s < 0:
             raise ValueError("--kv-quarantine-s must be >= 0")
+        if self.kv_writes_per_peer < 0:
+            raise ValueError("--kv-writes-per-peer must be >= 0")
         if not 0 <= self.kv_port < 65536:
             raise ValueError(f"--kv-port must be in [0, 65535], got {self.kv_port}")
 

@@ -55,6 +55,11 @@ def test_transfer_defaults(facts: dict[str, str], starts: str, field: str) -> No
     assert _seconds(value) == getattr(TransferConfig(), field)
 
 
+def test_writes_per_peer_default(facts: dict[str, str]) -> None:
+    assert "--kv-writes-per-peer" in [k for k in facts if k.startswith("P's whole-request WRITEs")][0]
+    assert _row(facts, "P's whole-request WRITEs") == f"default {TransferConfig().kv_writes_per_peer}"
+
+
 def test_shutdown_timeout_default(facts: dict[str, str]) -> None:
     assert "--shutdown-timeout" in [k for k in facts if k.startswith("drain after SIGTERM")][0]
     assert _seconds(_row(facts, "drain after SIGTERM")) == ServerConfig().shutdown_timeout_s

@@ -135,7 +135,8 @@ class Cluster:
         self.nodes: list[Node] = []
 
     def node(self, side: Role, engine_id: str, agent_name: str, *, worker: bool = True,
-             quarantine_s: float | None = None, seed: int = 0, layerwise: bool = False) -> Node:
+             quarantine_s: float | None = None, seed: int = 0, layerwise: bool = False,
+             writes_per_peer: int = 1) -> Node:
         gen = torch.Generator().manual_seed(seed)
         kv = torch.randn(NB, NL, 2, BS, KVH, HD, generator=gen)
         agent = self.fabric.agent(agent_name)
@@ -145,7 +146,7 @@ class Cluster:
         w = None
         if worker:
             w = TransferThread(side, agent, info, None, events, BS, handshake_timeout_s=2.0,
-                               quarantine_s=quarantine_s, layerwise=layerwise)
+                               quarantine_s=quarantine_s, layerwise=layerwise, writes_per_peer=writes_per_peer)
         node = Node(agent, kv, info if w is None else w.info, events, w)  # the thread's has its doorbell
         self.nodes.append(node)
         if w is not None:
@@ -182,8 +183,9 @@ def add_peer(node: Node, other: Node) -> str:
     return done.result(timeout=TIMEOUT)
 
 
-def make_pair(cluster: Cluster, d_quarantine_s: float | None = None, layerwise: bool = False) -> tuple[Node, Node]:
-    p = cluster.node(Role.PREFILL, P_ENGINE, P_AGENT, seed=1, layerwise=layerwise)
+def make_pair(cluster: Cluster, d_quarantine_s: float | None = None, layerwise: bool = False,
+              writes_per_peer: int = 1) -> tuple[Node, Node]:
+    p = cluster.node(Role.PREFILL, P_ENGINE, P_AGENT, seed=1, layerwise=layerwise, writes_per_peer=writes_per_peer)
     d = cluster.node(Role.DECODE, D_ENGINE, D_AGENT, seed=2, quarantine_s=d_quarantine_s)
     assert add_peer(p, d) == D_AGENT
     assert add_peer(d, p) == P_AGENT

@@ -1,7 +1,8 @@
 """P's side of the transfer thread: hold finished prefills, match registrations, post WRITEs
 (whole-request or layer by layer), commit, and free P's blocks when a transfer ends.
 
-    Hold (prefill done) -+-> [PushReg matched] WRITE posted -> WRITE done -> FreeBlocks
+    Hold (prefill done) -+-> [PushReg matched] (behind the WRITE in flight to that D) WRITE posted
+                         |       -> WRITE done -> FreeBlocks
                          +-> [pull] ReadDone / Release -> FreeBlocks
     lease expiry / Abort / Fail -> FreeBlocks (+ Fail to D)
 
@@ -30,9 +31,13 @@ CANCELLED_TTL_S = 300.0
 
 
 class PrefillSide:
-    def __init__(self, posted: Posted, peers: Peers, layerwise: bool | None) -> None:
+    def __init__(self, posted: Posted, peers: Peers, layerwise: bool | None, writes_per_peer: int = 1) -> None:
         """layerwise: every transfer is written layer by layer (True), none is (False), or those whose
-        leg says so (None, --kv-mode auto: the engine's first LayersDone for a transfer tells)."""
+        leg says so (None, --kv-mode auto: the engine's first LayersDone for a transfer tells).
+        writes_per_peer: whole-request WRITEs in flight to one D at a time (0: no limit); the rest wait
+        in arrival order (MATCHED) and are posted as earlier ones end."""
+        self.writes_per_peer = writes_per_peer
+        self.waiting_writes: dict[str, dict[str, None]] = {}  # D's agent name -> transfer ids, in order
         self.posted = posted
         self.ledger = posted.ledger
         self.peers = peers
@@ -126,12 +131,15 @@ class PrefillSide:
 
     # ---- whole-request push ----------------------------------------------------------------
     def _post_write(self, rec: TransferRecord) -> None:
+        peer = self.peers.agent_name(rec.peer_engine_id or "")
+        if self.writes_per_peer and self._writes_to(peer) >= self.writes_per_peer:
+            self.waiting_writes.setdefault(peer, {})[rec.transfer_id] = None  # stays MATCHED
+            return
         skip = rec.num_prefix_tokens // self.posted.block_size
         remote = list(rec.remote_block_ids)
         local = list(rec.local_block_ids[skip : skip + len(remote)])
         done = pr.encode(pr.Done(rec.transfer_id, self.first_tokens.get(rec.transfer_id),
                                  reg_received=self.reg_times.pop(rec.transfer_id, None), write_posted=time.time()))
-        peer = self.peers.agent_name(rec.peer_engine_id or "")
         if len(local) < len(remote):
             raise TransferError(f"D registered {len(remote)} blocks but P holds {len(local)} after the prefix")
         self.peers.check_post_fault("WRITE")
@@ -141,7 +149,29 @@ class PrefillSide:
         if error is not None:
             self.fail(rec, error, kind=FailureKind.POSTED_LATE)
 
+    def _writes_to(self, peer: str) -> int:
+        return sum(1 for t in self.posted.transfers.values() if t.peer == peer)
+
+    def _post_waiting(self, peer: str) -> None:
+        """A WRITE to `peer` ended: post the WRITEs waiting for it, oldest first, while the limit allows
+        (a waiting record that failed or expired meanwhile is skipped: it is no longer MATCHED)."""
+        waiting = self.waiting_writes.get(peer, {})
+        while waiting and (not self.writes_per_peer or self._writes_to(peer) < self.writes_per_peer):
+            tid = next(iter(waiting))
+            del waiting[tid]
+            rec = self.ledger.get(tid)
+            if rec is not None and rec.state is S.MATCHED:
+                self._update(rec)
+        if not waiting:
+            self.waiting_writes.pop(peer, None)
+
     def transfer_ended(self, tid: str, transfer: Transfer, state: XferStatus) -> None:
+        try:
+            self._transfer_ended(tid, transfer, state)
+        finally:
+            self._post_waiting(transfer.peer)
+
+    def _transfer_ended(self, tid: str, transfer: Transfer, state: XferStatus) -> None:
         rec = self.ledger.get(tid)
         if rec is None:
             return

@@ -133,7 +133,7 @@ class TransferThread(threading.Thread):
     def __init__(self, role: Role, agent: KVAgent, info: HandshakeInfo, secret: str | None,
                  emit: Callable[[Event], None], block_size: int, *, handshake_timeout_s: float = 5.0,
                  faults: Faults | None = None, layerwise: bool | None = False, quarantine_s: float | None = None,
-                 doorbell: Doorbell | None = None) -> None:
+                 doorbell: Doorbell | None = None, writes_per_peer: int = 1) -> None:
         super().__init__(name=f"kvpush-transfer-{role.value}", daemon=True)
         self.agent = agent
         self.doorbell = doorbell or Doorbell()
@@ -149,7 +149,7 @@ class TransferThread(threading.Thread):
         self.peers = Peers(agent, info, secret, self.metrics, faults or Faults(), handshake_timeout_s,
                            self.doorbell)
         self.posted = Posted(agent, self.ledger, self.metrics, emit, block_size)
-        self.side: RoleSide = (PrefillSide(self.posted, self.peers, layerwise) if role is Role.PREFILL
+        self.side: RoleSide = (PrefillSide(self.posted, self.peers, layerwise, writes_per_peer) if role is Role.PREFILL
                                else DecodeSide(self.posted, self.peers))
         self._handlers: dict[type, Callable[[Any], None]] = {
             AddPeer: self.peers.add, SendNotif: self.peers.send_notif, **self.side.handlers()}
