@@ -134,3 +134,17 @@ def test_link_only_maps_the_slow_link_alone(tmp_path: Path, monkeypatch: pytest.
         mapped.clear()
         regime.run_map(MapConfig(model="m", link_gbps=gbps, full_link=full_link, result_dir=str(tmp_path)))
         assert mapped == expect
+
+
+def test_a_map_of_the_slow_link_alone_has_its_own_readme_section(tmp_path: Path):
+    cfg = {**MapConfig(model="m", link_gbps=0.25, full_link=False).__dict__}
+    doc = {"config": cfg, "elapsed_s": 60, "cells": [cell_summary(100, 150, 101)]}
+    path = tmp_path / "regime_map.json"
+    path.write_text(json.dumps(doc))
+    readme = tmp_path / "README.md"
+    quick, link = markers("quick"), markers("quick-link")
+    readme.write_text(f"{quick[0]}\nquick text\n{quick[1]}\n\n{link[0]}\nold link text\n{link[1]}\n")
+    report(path, readme, Path("docs/img/regime_map.png"))
+    body = readme.read_text()
+    assert "quick text" in body and "old link text" not in body
+    assert (tmp_path / "docs/img/regime_map_quick-link.png").exists()

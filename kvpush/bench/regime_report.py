@@ -142,7 +142,7 @@ def section(doc: dict[str, Any], png: str | None) -> str:
     cfg = doc["config"]
     command = cfg.get("command") or "benchmarks/regime_map.py"
     minutes = doc.get("elapsed_s", 0) / 60
-    begin, end = markers(cfg["grid"])
+    begin, end = markers(section_name(cfg))
     return "\n".join([
         begin,
         f"Generated from `{command}` ({cfg['grid']} grid, {len(doc['cells'])} cells, {minutes:.0f} min, "
@@ -174,10 +174,11 @@ def report(path: Path, readme: Path | None = None, image: Path | None = None) ->
     """regime_map.md (and PNG) next to the JSON; with `readme`, its generated section too (the PNG
     copied to `image`, a path relative to the README's folder, e.g. docs/img/regime_map.png)."""
     doc = json.loads(path.read_text())
+    name = section_name(doc["config"])
     png = heatmaps(doc, path.parent)
     link = str(png) if png else None
     if png is not None and readme is not None and image is not None:
-        image = image.with_name(f"regime_map_{doc['config']['grid']}.png")
+        image = image.with_name(f"regime_map_{name}.png")
         target = readme.parent / image
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_bytes(png.read_bytes())
@@ -185,5 +186,10 @@ def report(path: Path, readme: Path | None = None, image: Path | None = None) ->
     text = section(doc, link)
     (path.parent / "regime_map.md").write_text(text + "\n")
     if readme is not None:
-        update_readme(readme, text, doc["config"]["grid"])
+        update_readme(readme, text, name)
     return text
+
+
+def section_name(config: dict) -> str:
+    """The README section of a map: its grid, and `-link` for a map of the rate-limited link alone."""
+    return config["grid"] if config.get("full_link", True) else f"{config['grid']}-link"
