@@ -72,3 +72,23 @@ def test_no_limit_posts_every_matched_write(cluster):
         d.events.wait(KVReady, tid)
     p.events.wait(FreeBlocks, n=3)
     assert all(landed(p, d, pb, db) for pb, db in BLOCKS)
+
+
+def test_a_write_that_outlives_its_record_does_not_hold_up_the_queue(cluster):
+    """A WRITE stuck in flight (a frozen D) whose record expired no longer counts: the next WRITE to
+    that D is posted, and P stops ringing D for the stuck one."""
+    p, d = make_pair(cluster)
+    p.agent.delay_completion_polls = 10**9
+    tids = [pr.new_transfer_id() for _ in BLOCKS[:2]]
+    start_push(p, d, tids[0], "register_first", p_blocks=BLOCKS[0][0], d_blocks=BLOCKS[0][1], lease_s=1.0)
+    start_push(p, d, tids[1], "register_first", p_blocks=BLOCKS[1][0], d_blocks=BLOCKS[1][1])
+    wait_until(lambda: rec_state(p, tids[1]) is S.MATCHED, what="the second one matched")
+    assert len(p.agent.in_flight()) == 1  # and waits
+    wait_until(lambda: rec_state(p, tids[0]) is S.EXPIRED, what="the stuck WRITE's record expires")
+    wait_until(lambda: len(p.agent.in_flight()) == 2 and rec_state(p, tids[1]) is S.POSTED,
+               what="the next WRITE posted beside the stuck one")
+    assert p.events.freed() == []  # the stuck WRITE may still read P's blocks: nothing freed yet
+    p.agent.finish_delayed()
+    d.events.wait(KVReady, tids[1])
+    p.events.wait(FreeBlocks, n=2)  # both freed once their WRITEs ended
+    assert landed(p, d, *BLOCKS[1])

@@ -130,18 +130,24 @@ class PrefillSide:
         return tid in self.posted or (self.layerwise is not None and self.layerwise.in_flight(tid))
 
     # ---- whole-request push ----------------------------------------------------------------
-    def _post_write(self, rec: TransferRecord) -> None:
-        peer = self.peers.agent_name(rec.peer_engine_id or "")
-        if self.writes_per_peer and self._writes_to(peer) >= self.writes_per_peer:
-            self.waiting_writes.setdefault(peer, {})[rec.transfer_id] = None  # stays MATCHED
-            return
+    def _post_write(self, rec: TransferRecord, queued: bool = False) -> None:
+        """Post the WRITE, or queue it behind the WRITEs to the same D (`queued`: it was at the head of
+        that queue). A queued record whose deadline passed meanwhile fails instead of being posted."""
         skip = rec.num_prefix_tokens // self.posted.block_size
         remote = list(rec.remote_block_ids)
         local = list(rec.local_block_ids[skip : skip + len(remote)])
-        done = pr.encode(pr.Done(rec.transfer_id, self.first_tokens.get(rec.transfer_id),
-                                 reg_received=self.reg_times.pop(rec.transfer_id, None), write_posted=time.time()))
         if len(local) < len(remote):
             raise TransferError(f"D registered {len(remote)} blocks but P holds {len(local)} after the prefix")
+        peer = self.peers.agent_name(rec.peer_engine_id or "")
+        if self._full(peer) or (not queued and self.waiting_writes.get(peer)):
+            self.waiting_writes.setdefault(peer, {})[rec.transfer_id] = None  # stays MATCHED
+            return
+        if queued and time.time() >= rec.deadline:
+            self.fail(rec, "deadline passed while queued behind WRITEs to the same decode instance",
+                      kind=FailureKind.DEADLINE)
+            return
+        done = pr.encode(pr.Done(rec.transfer_id, self.first_tokens.get(rec.transfer_id),
+                                 reg_received=self.reg_times.pop(rec.transfer_id, None), write_posted=time.time()))
         self.peers.check_post_fault("WRITE")
         if self.peers.drop_fault():
             done = b""  # the WRITE lands but D never hears of it: D's deadline must handle it
@@ -149,19 +155,31 @@ class PrefillSide:
         if error is not None:
             self.fail(rec, error, kind=FailureKind.POSTED_LATE)
 
-    def _writes_to(self, peer: str) -> int:
-        return sum(1 for t in self.posted.transfers.values() if t.peer == peer)
+    def _full(self, peer: str) -> bool:
+        """`writes_per_peer` WRITEs of live records are in flight to `peer` (one whose record already
+        failed or expired does not count: a WRITE that never ends must not hold up the rest)."""
+        if not self.writes_per_peer:
+            return False
+        live = 0
+        for tid, t in self.posted.transfers.items():
+            rec = self.ledger.get(tid)
+            live += t.peer == peer and rec is not None and not rec.is_terminal
+        return live >= self.writes_per_peer
 
     def _post_waiting(self, peer: str) -> None:
-        """A WRITE to `peer` ended: post the WRITEs waiting for it, oldest first, while the limit allows
-        (a waiting record that failed or expired meanwhile is skipped: it is no longer MATCHED)."""
+        """Post the WRITEs waiting for `peer`, oldest first, while the limit allows (a waiting record
+        that failed or expired meanwhile is skipped: it is no longer MATCHED). Called when a WRITE
+        ends, and from housekeeping (whatever else freed a slot)."""
         waiting = self.waiting_writes.get(peer, {})
-        while waiting and (not self.writes_per_peer or self._writes_to(peer) < self.writes_per_peer):
+        while waiting and not self._full(peer):
             tid = next(iter(waiting))
             del waiting[tid]
             rec = self.ledger.get(tid)
             if rec is not None and rec.state is S.MATCHED:
-                self._update(rec)
+                try:
+                    self._post_write(rec, queued=True)
+                except (TransferError, ValueError) as e:
+                    self.fail(rec, str(e))
         if not waiting:
             self.waiting_writes.pop(peer, None)
 
@@ -273,6 +291,8 @@ class PrefillSide:
     def housekeeping(self, now: float) -> bool:
         for tid in [t for t, (_, when) in self.cancelled.items() if now - when > CANCELLED_TTL_S]:
             del self.cancelled[tid]
+        for peer in list(self.waiting_writes):
+            self._post_waiting(peer)
         return False
 
     def relaxed(self) -> bool:

@@ -17,7 +17,6 @@ decides how long to wait before the next round (the only place the thread waits)
 from __future__ import annotations
 
 import logging
-import math
 import queue
 import threading
 import time
@@ -266,11 +265,17 @@ class TransferThread(threading.Thread):
         its KV sleeps WAITING_POLL_S between calls, the link stalls when its socket buffer is full, and
         a 200-ms WRITE over a 0.25 Gbit/s link took 25% longer than the same READ. A ring puts the
         peer in its grace (tight polling) until the next one; over shared memory and cma the data
-        moves without the target and the transfer ends before a second ring."""
+        moves without the target and the transfer ends before the first ring is due."""
         now = time.monotonic()
-        targets = {t.peer for t in self.posted.transfers.values()} | self.side.in_flight_peers()
+        targets = self.side.in_flight_peers()
+        for tid, t in self.posted.transfers.items():
+            rec = self.ledger.get(tid)
+            if rec is not None and not rec.is_terminal:  # not for a WRITE that outlived its record
+                targets.add(t.peer)
         for peer in targets:
-            if now - self._rung.get(peer, -math.inf) >= RING_REFRESH_S:
+            if peer not in self._rung:
+                self._rung[peer] = now  # the first ring once it has been in flight that long
+            elif now - self._rung[peer] >= RING_REFRESH_S:
                 self.peers.ring(peer)
                 self._rung[peer] = now
         for peer in [p for p in self._rung if p not in targets]:
