@@ -196,6 +196,14 @@ def add_proxy_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--instance-api-key", default=None, help="the Bearer token the instances expect")
     p.add_argument("--probe-interval-s", type=positive_float, default=_default(ProxyConfig, "probe_interval_s"),
                    help="how often the proxy asks every instance for /v1/kv_info (health, draining, restarts)")
+    add_auto_arguments(p)
+
+
+AUTO_FLAGS = ("auto_stall_weight", "auto_local_max_ms", "auto_local_share", "auto_local_window_s")
+
+
+def add_auto_arguments(p: argparse.ArgumentParser) -> None:
+    """The proxy's --kv-mode auto flags (`kvpush proxy`, and `kvpush up`, which hands them to its proxy)."""
     p.add_argument("--auto-stall-weight", type=non_negative_float, default=_default(ProxyConfig, "auto_stall_weight"),
                    help="--kv-mode auto: weight of the stall a local prefill on D inflicts on D's running requests")
     p.add_argument("--auto-local-max-ms", type=non_negative_float, default=_default(ProxyConfig, "auto_local_max_ms"),
@@ -236,6 +244,8 @@ def cmd_up(args: argparse.Namespace, serve_args: list[str]) -> int:
     if args.link_gbps is not None and not args.link_gbps > 0:
         raise SystemExit("kvpush up: --link-gbps must be positive")
     proxy_args = ["--first-token", args.first_token, "--policy", args.policy]
+    for name in AUTO_FLAGS:  # kvpush's proxy takes them in every mode (vllm-router gets --policy only)
+        proxy_args += [f"--{name.replace('_', '-')}", repr(getattr(args, name))]
     if args.pin and "--cpus" in serve_args:
         raise SystemExit("kvpush up: --pin chooses each instance's --cpus; give one or the other")
     try:
@@ -263,6 +273,7 @@ def up_parser() -> argparse.ArgumentParser:
                    help="root only: run P and D in two network namespaces joined by a link of G Gbit/s each way")
     p.add_argument("--pin", action="store_true",
                    help="prefill instances on one half of the cores, decode instances on the other (proxy unpinned)")
+    add_auto_arguments(p)
     return p
 
 

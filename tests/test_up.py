@@ -81,3 +81,20 @@ def test_up_starts_serves_and_stops_cleanly(tiny_model, tmp_path, sig, mode):
             up.kill()
         for pid in alive(children | descendants(up.pid)):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_up_hands_the_auto_flags_to_its_proxy(monkeypatch: pytest.MonkeyPatch):
+    """`kvpush up --auto-...` goes to the proxy (every other unknown flag goes to each `kvpush serve`)."""
+    import kvpush.server.up as up
+    from kvpush import cli
+
+    seen: dict[str, list[str]] = {}
+    monkeypatch.setattr(up, "run_up", lambda model, p, d, mode, port, serve_args, proxy_args, **kw:
+                        seen.update(serve=serve_args, proxy=proxy_args) or 0)
+    args, serve_args = cli.up_parser().parse_known_args(
+        ["m", "--kv-mode", "auto", "--auto-local-share", "0.1", "--auto-stall-weight", "2", "--torch-threads", "1"])
+    assert cli.cmd_up(args, serve_args) == 0
+    proxy = seen["proxy"]
+    assert proxy[proxy.index("--auto-local-share") + 1] == "0.1" and proxy[proxy.index("--auto-stall-weight") + 1] == "2.0"
+    assert seen["serve"] == ["--torch-threads", "1"]
+    assert cli.build_parser().parse_args(["proxy", "--prefill", "u", "--decode", "v", *proxy]).auto_local_share == 0.1
