@@ -141,6 +141,8 @@ class PrefillSide:
         peer = self.peers.agent_name(rec.peer_engine_id or "")
         if self._full(peer) or (not queued and self.waiting_writes.get(peer)):
             self.waiting_writes.setdefault(peer, {})[rec.transfer_id] = None  # stays MATCHED
+            if not self._full(peer):  # queued only to keep the order: the oldest waiting goes now
+                self._post_waiting(peer)
             return
         if queued and time.time() >= rec.deadline:
             self.fail(rec, "deadline passed while queued behind WRITEs to the same decode instance",
