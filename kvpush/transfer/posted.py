@@ -7,6 +7,7 @@ fails while its transfer is in flight is not confirmed free of in-flight data un
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 
 from kvpush.transfer.events import Event
@@ -41,6 +42,12 @@ class Posted:
         except LedgerError as e:
             return f"posted too late: {e}"
         return None
+
+    def live_peers(self) -> Counter[str]:
+        """Peers of our transfers in flight, with how many each, leaving out a transfer that outlived
+        its record (failed or expired while in flight: it may never end, and nothing waits for it)."""
+        return Counter(t.peer for tid, t in self.transfers.items()
+                       if (rec := self.ledger.get(tid)) is not None and not rec.is_terminal)
 
     def poll(self) -> list[tuple[str, Transfer, XferStatus]]:
         """Transfers that ended since the last call (released), with how they ended."""

@@ -139,9 +139,10 @@ class PrefillSide:
         if len(local) < len(remote):
             raise TransferError(f"D registered {len(remote)} blocks but P holds {len(local)} after the prefix")
         peer = self.peers.agent_name(rec.peer_engine_id or "")
-        if self._full(peer) or (not queued and self.waiting_writes.get(peer)):
+        full = self._full(peer)
+        if full or (not queued and self.waiting_writes.get(peer)):
             self.waiting_writes.setdefault(peer, {})[rec.transfer_id] = None  # stays MATCHED
-            if not self._full(peer):  # queued only to keep the order: the oldest waiting goes now
+            if not full:  # queued only to keep the order: the oldest waiting goes now
                 self._post_waiting(peer)
             return
         if queued and time.time() >= rec.deadline:
@@ -160,13 +161,7 @@ class PrefillSide:
     def _full(self, peer: str) -> bool:
         """`writes_per_peer` WRITEs of live records are in flight to `peer` (one whose record already
         failed or expired does not count: a WRITE that never ends must not hold up the rest)."""
-        if not self.writes_per_peer:
-            return False
-        live = 0
-        for tid, t in self.posted.transfers.items():
-            rec = self.ledger.get(tid)
-            live += t.peer == peer and rec is not None and not rec.is_terminal
-        return live >= self.writes_per_peer
+        return bool(self.writes_per_peer) and self.posted.live_peers()[peer] >= self.writes_per_peer
 
     def _post_waiting(self, peer: str) -> None:
         """Post the WRITEs waiting for `peer`, oldest first, while the limit allows (a waiting record

@@ -259,7 +259,8 @@ class TransferThread(threading.Thread):
         return progressed
 
     def _ring_targets(self) -> None:
-        """Ring the peer of every transfer of ours in flight, at most every RING_REFRESH_S. Over tcp UCX
+        """Ring the peer of every transfer of ours in flight once it has been in flight RING_REFRESH_S,
+        then every RING_REFRESH_S (not for one that outlived its record: Posted.live_peers). Over tcp UCX
         emulates a WRITE (READ) with messages that the target's worker must receive, and with its
         progress thread off (nixl_agent.py) a worker only receives inside a NIXL call: a D waiting for
         its KV sleeps WAITING_POLL_S between calls, the link stalls when its socket buffer is full, and
@@ -267,11 +268,7 @@ class TransferThread(threading.Thread):
         peer in its grace (tight polling) until the next one; over shared memory and cma the data
         moves without the target and the transfer ends before the first ring is due."""
         now = time.monotonic()
-        targets = self.side.in_flight_peers()
-        for tid, t in self.posted.transfers.items():
-            rec = self.ledger.get(tid)
-            if rec is not None and not rec.is_terminal:  # not for a WRITE that outlived its record
-                targets.add(t.peer)
+        targets = self.side.in_flight_peers() | set(self.posted.live_peers())
         for peer in targets:
             if peer not in self._rung:
                 self._rung[peer] = now  # the first ring once it has been in flight that long
