@@ -19,6 +19,7 @@ from kvpush.bench.loadgen import LoadConfig, arrival_times, chunk_tokens, run_lo
 CHUNKS = 4
 DELAY_S = 0.01
 TRACE = {"dispatched": 1.0, "p_admitted": 1.001, "first_token": 1.02}
+ROUTE = {"route": "push", "forced": False, "estimates_ms": {"push": 20.0, "local": 25.0}}
 
 
 def _sse(obj: object) -> bytes:
@@ -78,7 +79,7 @@ class FakeServer:
                 request.transport.close()
                 return resp
         usage = {"prompt_tokens": 7, "completion_tokens": CHUNKS * per_chunk, "total_tokens": 7 + CHUNKS}
-        await resp.write(_sse({"choices": [], "usage": usage, "kvpush_trace": TRACE}))
+        await resp.write(_sse({"choices": [], "usage": usage, "kvpush_trace": TRACE, "kvpush_route": ROUTE}))
         self.inflight -= 1  # before [DONE]: the client frees its slot only after reading it
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
@@ -129,7 +130,7 @@ def test_records_complete_and_concurrency_respected(server):
         assert rec.e2el_s is not None and rec.e2el_s >= rec.ttft_s
         assert len(rec.itl_s) == CHUNKS - 1
         assert (rec.output_tokens, rec.prompt_tokens) == (CHUNKS, 7)
-        assert rec.kvpush_trace == TRACE
+        assert rec.kvpush_trace == TRACE and rec.kvpush_route == ROUTE
     body = server.bodies[-1]
     assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
     assert (body["max_tokens"], body["temperature"], body["ignore_eos"]) == (CHUNKS, 0.0, True)

@@ -19,7 +19,7 @@ from kvpush.server.kv_choice import (
     Route,
     outcome,
 )
-from kvpush.server.kv_fit import LocalBudget, RestModel
+from kvpush.server.kv_fit import LocalBudget, RouteFit
 
 BS = 8
 PAIR = ("http://p", "http://d")
@@ -167,10 +167,10 @@ def test_cheapest_remote_route_and_slow_pairs_are_learned():
     assert m.choose(decision(d_running=1)).route is Route.PULL  # the fast pair keeps its answer
 
 
-def test_rest_model_moves_every_route_with_the_load():
+def test_route_fit_moves_every_route_with_the_load():
     """Measured side by side at low load, pull costs 10 ms more than push; then the load rises and
     only push is measured: pull's estimate rises with it instead of staying at its old value."""
-    r = RestModel(("push", "push-layerwise", "pull"), {"pull": 0.004}, 0.004, 1e-5)
+    r = RouteFit(("push", "push-layerwise", "pull"), {"pull": 0.004}, 0.004, 1e-5)
     pair = ("p", "d")
     for i in range(40):
         x = 256.0 + 256 * (i % 3)
@@ -187,8 +187,8 @@ def test_rest_model_moves_every_route_with_the_load():
     assert r(512, 8, "push-layerwise", pair) == pytest.approx(r(512, 8, "push", pair), abs=3e-3)  # never measured
 
 
-def test_rest_model_one_prompt_length_keeps_the_prior_slope():
-    r = RestModel(("push", "pull"), {}, 0.0, 1e-5)
+def test_route_fit_one_prompt_length_keeps_the_prior_slope():
+    r = RouteFit(("push", "pull"), {}, 0.0, 1e-5)
     for _ in range(20):
         r.add(512, 0, 0.02, "push", ("p", "d"))
     assert r(512, 0, "push", ("p", "d")) == pytest.approx(0.02, abs=1e-4)
@@ -354,7 +354,45 @@ def test_a_route_that_slows_ps_prefill_is_charged_for_it():
         for route, per_token, rest in ((Route.PUSH, 0.0004, 0.004), (Route.PUSH_LAYERWISE, 0.00048, 0.002)):
             p_time = 0.01 + per_token * n
             m.observe(Decision(route, n, 0, 0, 0, 0, 0, PAIR), Outcome(p_time + rest, p_time, None, n, 0))
-    assert m.p_route.slope("push-layerwise") - m.p_route.slope("push") == pytest.approx(0.00008, rel=0.2)
-    d = m.choose(decision(tokens=512, d_running=2), (Route.PUSH, Route.PUSH_LAYERWISE))
+    d = m.choose(decision(tokens=1024, d_running=2), (Route.PUSH, Route.PUSH_LAYERWISE))
+    assert d.p_parts_s["push-layerwise"] - d.p_parts_s["push"] == pytest.approx(1024 * 0.00008, rel=0.2)
     assert d.route is Route.PUSH
-    assert d.estimates_s["push-layerwise"] - d.estimates_s["push"] == pytest.approx(512 * 0.00008 - 0.002, rel=0.25)
+    assert d.estimates_s["push-layerwise"] - d.estimates_s["push"] == pytest.approx(1024 * 0.00008 - 0.002, rel=0.25)
+
+
+def test_a_route_seldom_taken_keeps_its_measured_difference_on_p():
+    """Once push-layerwise is taken for nearly every request, the P fit is mostly its samples: push, seldom
+    measured since, must still be known to spare P what the layer hooks cost (a fit relative to the most
+    taken route would call the two equal and keep push-layerwise for its shorter rest)."""
+    m = CostModel()
+    m.samples = dict.fromkeys(Route, 50)
+    per_token = {Route.PUSH: 0.0004, Route.PUSH_LAYERWISE: 0.0004}
+    extra = {Route.PUSH: 0.0, Route.PUSH_LAYERWISE: 0.006}  # the hooks: 6 ms a request on P
+    rest = {Route.PUSH: 0.004, Route.PUSH_LAYERWISE: 0.001}  # 3 ms shorter, 6 ms longer on P
+    for i in range(200):
+        n = (128, 512, 1024)[i % 3]
+        route = Route.PUSH if i < 12 else Route.PUSH_LAYERWISE  # push measured early, then hardly ever
+        p_time = 0.01 + per_token[route] * n + extra[route]
+        m.observe(Decision(route, n, 0, 0, 0, 0, 0, PAIR), Outcome(p_time + rest[route], p_time, None, n, 0))
+    d = m.choose(decision(tokens=512, d_running=2), (Route.PUSH, Route.PUSH_LAYERWISE))
+    assert d.p_parts_s["push-layerwise"] - d.p_parts_s["push"] == pytest.approx(0.006, abs=0.002)
+    assert d.route is Route.PUSH
+
+
+def test_a_route_that_slows_p_is_charged_for_the_requests_waiting_behind_it():
+    """Push-layerwise's rest is 4 ms shorter and its P time 3 ms longer: alone at P it wins by 1 ms; with
+    requests queued at P, each waits 3 ms more behind every push-layerwise prefill, and push wins."""
+    m = CostModel()
+    m.samples = dict.fromkeys(Route, 50)
+    for i in range(60):
+        n = (128, 512, 1024)[i % 3]
+        for route, extra, rest in ((Route.PUSH, 0.0, 0.006), (Route.PUSH_LAYERWISE, 0.003, 0.002)):
+            p_time = 0.01 + 0.0004 * n + extra
+            m.observe(Decision(route, n, 0, 0, 0, 0, 0, PAIR), Outcome(p_time + rest, p_time, None, n, 0))
+    both = (Route.PUSH, Route.PUSH_LAYERWISE)
+    assert m.choose(decision(tokens=512, d_running=0), both).route is Route.PUSH_LAYERWISE
+    busy = decision(tokens=512, d_running=0)
+    busy.p_waiting, busy.p_queue = 3, 1536
+    d = m.choose(busy, both)
+    assert d.route is Route.PUSH, d.estimates_s
+    assert d.estimates_s["push-layerwise"] < d.estimates_s["push"]  # its own TTFT is still the shorter

@@ -21,7 +21,8 @@ Per request the generator records, relative to the send time:
   (``stream_options.include_usage``), falling back to the counted tokens and the sample's length.
 - ``kvpush_trace``: the server-side timestamps dict from any chunk or choice (the last one wins), stored raw;
   with ``sent_unix`` and ``first_chunk_unix`` (the client's wall clock at send and at the first token
-  chunk) it gives the request's critical path (``kvpush.bench.trace``).
+  chunk) it gives the request's critical path (``kvpush.bench.trace``); ``kvpush_route`` (an auto proxy's
+  route and estimates) likewise.
 
 A request succeeds when the server answers 200, streams at least one token and ends with
 ``[DONE]``; HTTP errors, error chunks, dropped connections and timeouts are recorded as failures
@@ -167,6 +168,8 @@ class _StreamState:
         for holder in [chunk, *(c for c in chunk.get("choices") or [] if isinstance(c, dict))]:
             if isinstance(holder.get("kvpush_trace"), dict):  # kvpush puts it in the final choice
                 self.record.kvpush_trace = holder["kvpush_trace"]
+            if isinstance(holder.get("kvpush_route"), dict):
+                self.record.kvpush_route = holder["kvpush_route"]
         if isinstance(chunk.get("usage"), dict):
             self.usage = chunk["usage"]
         tokens = sum(chunk_tokens(c) for c in chunk.get("choices") or [])

@@ -70,6 +70,7 @@ class RequestRecord(msgspec.Struct, kw_only=True):
     output_tokens: int = 0
     prompt_tokens: int = 0
     kvpush_trace: dict[str, Any] | None = None
+    kvpush_route: dict[str, Any] | None = None  # --kv-mode auto: the route taken and its estimates
     sent_unix: float | None = None  # wall clock (time.time()) at send, for the critical path
     first_chunk_unix: float | None = None  # wall clock at the first token-carrying chunk
 

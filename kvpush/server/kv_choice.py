@@ -12,27 +12,33 @@ Signals (all free for the proxy; no extra round trip):
                 CHARS_PER_UNIT-character chunks of text or chat messages), LRU-bounded
     p_prefix    the same for P (its prefix cache spares it those tokens)
     p_queue     prompt tokens P still has to prefill for legs dispatched before this one
+    p_waiting   how many requests those are
     d_queue     prompt tokens D still has to prefill for local requests dispatched before this one
     d_running   requests decoding on D: in flight there, less those whose prefill is still pending
                 (queued or running on P, or queued on D): a local prefill stalls each of them once.
                 Requests waiting for their KV are not stalled by it (they wait on P), and in a burst
                 at P they are many: counting them would keep D's prefill out exactly when it helps
-Learned lines (Line: decayed least squares y = a + b x), from every finished request's trace:
-    prefill             P's api_received -> prefill done        vs tokens P computed (+ its queue)
-    p_route[route]      what each route adds per token to P's prefill (kv_fit.RouteSlope, on the residuals
-                        of the prefill line): push-layerwise's layer hooks and per-layer WRITEs and push's
-                        WRITE run on P's core, and the prefill line alone would charge them to every route
+Learned fits, from every finished request's trace (decayed least squares):
+    prefill[route, P, D] P's api_received -> prefill done: one fit over every remote route (kv_fit.RouteFit),
+                        a + b (P's queue + own) + c[route] + k[route] own + e[P, D], own = the tokens P
+                        computes for this request: push-layerwise's layer hooks and per-layer WRITEs (and
+                        push's WRITE) run on P's core, so routes differ in P's time too; against push as
+                        the baseline, so that a route seldom taken keeps its prior difference (measured
+                        here: push-layerwise +3.3 ms + 6.3 us per token, pull as push) instead of
+                        drifting with whichever route is taken most
     local               D's api_received -> first token         vs tokens D computed (+ its queue)
     rest[route, P, D]   TTFT - P's part                       vs tokens moved (prompt - D's prefix):
                         and the requests decoding on D: one fit over every remote route,
-                        a + b x + g d_running + c[route] + e[P, D] (kv_fit.RestModel), so that D's load
-                        moves every route's estimate at once and routes and pairs differ by what was
-                        measured of them
+                        a + b x + g d_running + c[route] + k[route] x + e[P, D] (kv_fit.RouteFit), so
+                        that D's load moves every route's estimate at once and routes and pairs differ
+                        by what was measured of them
     (TTFT = proxy received -> D's leg sent on the proxy's clock + D's api_received -> first token on
     D's: no two clocks are subtracted from each other, so it holds across hosts.)
 Estimates and costs (seconds):
-    remote r:  prefill(p_queue + tokens - p_prefix) + p_route[r](tokens - p_prefix)
-               + rest[r, P, D](tokens - d_prefix)
+    remote r:  prefill[r](p_queue + own, own) + rest[r, P, D](tokens - d_prefix), own = tokens - p_prefix;
+               its cost adds what it slows P for the requests behind it: (prefill[r] - the least
+               prefill[r'] of the remote routes) x p_waiting (in a FIFO queue a request leaves as many
+               behind as it found ahead, on average)
     local:     local(d_queue + tokens - d_prefix); its cost adds the stall it inflicts on D's running
                requests: local(tokens - d_prefix) x d_running x stall_weight. Local is not considered
                at all when that prefill would take longer than local_max_s (--auto-local-max-ms): the
@@ -57,7 +63,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from kvpush.server.kv_fit import Line, LocalBudget, RestModel, RouteSlope
+from kvpush.server.kv_fit import Line, LocalBudget, RouteFit
 
 CHARS_PER_UNIT = 64  # prefix tracking granularity of text prompts
 TRACKER_UNITS = 65536  # prefix chunks remembered per instance
@@ -158,16 +164,19 @@ class Decision:
     d_queue: float
     d_running: int
     pair: tuple[str, str]
+    p_waiting: int = 0
     estimates_s: dict[str, float] = field(default_factory=dict)
     forced: bool = False
     key: PromptKey | None = None
     prefilled: bool = False  # its tokens have left the prefill queue they were counted in
     local_s: float = 0.0  # D's prefill time for it, were it local (the queue not included)
+    p_parts_s: dict[str, float] = field(default_factory=dict)  # P's part of each remote route's estimate
 
     def to_json(self) -> dict:
         """What the request's answer says about it (`kvpush_route`)."""
         return {"route": self.route.value, "forced": self.forced, "tokens": round(self.tokens),
                 "d_prefix_tokens": round(self.d_prefix), "p_prefix_tokens": round(self.p_prefix),
+                "p_waiting": self.p_waiting, "d_running": self.d_running,
                 "estimates_ms": {r: round(s * 1e3, 2) for r, s in self.estimates_s.items()}}
 
 
@@ -189,12 +198,13 @@ class CostModel:
         self.stall_weight = stall_weight
         self.local_max_s = local_max_s
         self.tokens_per_char = PRIOR_TOKENS_PER_CHAR
-        self.prefill = Line(0.005, 0.0004)
-        self.p_route = RouteSlope()  # P's prefill per route: + k[route] x tokens P computes for it
+        remote = (Route.PUSH.value, Route.PUSH_LAYERWISE.value, Route.PULL.value)
+        # P's prefill per route (priors: what push-layerwise's hooks cost P, measured in regime_full11).
+        self.prefill = RouteFit(remote, {Route.PUSH_LAYERWISE.value: 0.0033}, 0.005, 0.0004, half_life=50.0,
+                                slope_priors={Route.PUSH_LAYERWISE.value: 6.3e-6})
         self.local = Line(0.005, 0.0004)
         # Priors: push first (its handover is the shortest measured), layer-wise, then pull.
-        self.rest = RestModel((Route.PUSH.value, Route.PUSH_LAYERWISE.value, Route.PULL.value),
-                              {Route.PUSH_LAYERWISE.value: 0.001, Route.PULL.value: 0.004}, 0.004, 1e-5)
+        self.rest = RouteFit(remote, {Route.PUSH_LAYERWISE.value: 0.001, Route.PULL.value: 0.004}, 0.004, 1e-5)
         self.decisions = 0
         self.samples: dict[Route, int] = {r: 0 for r in Route}
 
@@ -212,26 +222,31 @@ class CostModel:
         line: its intercept holds P's queueing, which says nothing about D)."""
         if self.local.n >= self.local.min_samples:
             return self.local
-        return Line(0.0, self.prefill.coefficients()[1])
+        return Line(0.0, self.prefill.slope())
 
     def estimate(self, route: Route, d: Decision) -> float:
         if route is Route.LOCAL:
             return self.local_line()(d.d_queue + d.tokens - d.d_prefix)
-        own = d.tokens - d.p_prefix
-        p_part = max(self.prefill(d.p_queue + own) + self.p_route(route.value, own), 0.0)
+        p_part = d.p_parts_s[route.value] = self.p_time(route, d, d.p_queue)
         return p_part + self.rest(d.tokens - d.d_prefix, d.d_running, route.value, d.pair)
+
+    def p_time(self, route: Route, d: Decision, queue: float) -> float:
+        """P's prefill of this request by `route` (a remote route) behind `queue` tokens."""
+        own = d.tokens - d.p_prefix
+        return self.prefill(queue + own, 0.0, route.value, d.pair, own)
 
     def cost(self, route: Route, d: Decision) -> float:
         est = d.estimates_s[route.value]
         if route is Route.LOCAL:
             est += self.local_s(d) * d.d_running * self.stall_weight
+        elif d.p_waiting:
+            est += (d.p_parts_s[route.value] - min(d.p_parts_s.values())) * d.p_waiting
         return est
 
     def p_queue_delay(self, d: Decision) -> float:
         """How long P's queue alone would hold this request: its prefill estimate with the tokens queued
         there before it, less the same without them."""
-        own = d.tokens - d.p_prefix
-        return self.prefill(d.p_queue + own) - self.prefill(own)
+        return self.p_time(Route.PUSH, d, d.p_queue) - self.p_time(Route.PUSH, d, 0.0)
 
     def local_s(self, d: Decision) -> float:
         """D's prefill of this prompt's uncached part, without D's queue."""
@@ -253,6 +268,7 @@ class CostModel:
         allowed = allowed or self.routes
         if len(allowed) > 1 and not self.local_allowed(d):
             allowed = tuple(r for r in allowed if r is not Route.LOCAL)
+        d.p_parts_s = {}
         d.estimates_s = {r.value: self.estimate(r, d) for r in allowed}
         self.decisions += 1
         least = min(self.samples[r] for r in allowed)
@@ -279,8 +295,7 @@ class CostModel:
                 self.local.add(d.d_queue + moved, out.d_time_s)
         elif out.p_time_s is not None:
             own = tokens - d.p_prefix
-            self.p_route.add(d.route.value, own, out.p_time_s - self.prefill(d.p_queue + own))
-            self.prefill.add(d.p_queue + own, out.p_time_s)
+            self.prefill.add(d.p_queue + own, 0.0, out.p_time_s, d.route.value, d.pair, own)
             self.rest.add(moved, d.d_running, max(out.ttft_s - out.p_time_s, 0.0), d.route.value, d.pair)
         est = d.estimates_s.get(d.route.value)
         return out.ttft_s / est if est and math.isfinite(est) and est > 0 else None
@@ -315,6 +330,7 @@ class AutoRouter:
         self.clock = clock
         self.trackers: dict[str, PrefixTracker] = {}
         self.queued: dict[str, float] = {}  # url -> prompt tokens still to prefill there
+        self.waiting: dict[str, int] = {}  # url -> requests whose prefill is still queued or running there
         self.pending: dict[str, int] = {}  # D url -> its requests whose prefill is not done yet
 
     def tracker(self, url: str) -> PrefixTracker:
@@ -334,7 +350,7 @@ class AutoRouter:
         decoding = max(d_in_flight - self.pending.get(d_url, 0), 0)
         d = Decision(Route.LOCAL, m.tokens(key), p_prefix, m.prefix_tokens(key, self.tracker(d_url).matched(key)),
                      self.queued.get(p_url or "", 0.0), self.queued.get(d_url, 0.0), decoding,
-                     (p_url or "", d_url), key=key)
+                     (p_url or "", d_url), self.waiting.get(p_url or "", 0), key=key)
         d.local_s = m.local_s(d)
         if forced is not None:
             d.forced = True
@@ -349,6 +365,7 @@ class AutoRouter:
         p_url, d_url = d.pair
         url = p_url if d.route.remote else d_url
         self.queued[url] = self.queued.get(url, 0.0) + d.tokens
+        self.waiting[url] = self.waiting.get(url, 0) + 1
         self.pending[d_url] = self.pending.get(d_url, 0) + 1
         if not d.route.remote:
             self.budget.charge(d_url, d.local_s, self.clock())
@@ -367,6 +384,7 @@ class AutoRouter:
         url = d.pair[0] if d.route.remote else d.pair[1]
         left = self.queued.get(url, 0.0) - d.tokens
         self.queued[url] = left if left > 1e-6 else 0.0
+        self.waiting[url] = max(self.waiting.get(url, 0) - 1, 0)
         self.pending[d.pair[1]] = max(self.pending.get(d.pair[1], 0) - 1, 0)
 
     def rerouted(self, d: Decision, d_url: str) -> None:

@@ -1,13 +1,12 @@
 """Online fits for --kv-mode auto's cost model (kv_choice.py): plain Python and numpy, no I/O.
 
     Line        y = a + b x, decayed least squares (prefill time vs tokens, and the like)
-    RestModel   the rest of a remote route's TTFT: y = a + b x + g load + c[route] + e[P, D] (load: the
-                requests decoding on D), one decayed least squares over every remote sample, so that
-                a rising load raises every route's estimate, not only the one measured under it,
-                and c, e are the differences between routes and pairs measured side by side (ridge: c
-                pulled towards its prior as strongly as RIDGE samples would, e towards the first pair
-                seen only as PAIR_RIDGE samples would: pairs differ by their links)
-    RouteSlope  what a route adds per token to P's prefill time (residuals of the shared prefill line)
+    RouteFit    y = a + b x + g load + c[route] + k[route] xr + e[P, D]: one decayed ridge least squares
+                over every route's samples, for P's prefill (x: P's queue + the request's tokens, xr:
+                its tokens) and for the rest of a remote route's TTFT (x: tokens moved, load: the
+                requests decoding on D), so that a rising load raises every route's estimate, not
+                only the one measured under it, and c, k, e are the differences between routes and
+                pairs, measured side by side against a fixed baseline route
     LocalBudget a token bucket per D of the time its local prefills may take (auto's local route)
 """
 
@@ -49,11 +48,21 @@ class Line:
         return a + b * max(x, 0.0)
 
 
-class RestModel:
+class RouteFit:
+    """y = a + b x + g load + c[route] + k[route] xr + e[pair]: one decayed ridge least squares over the
+    samples of every route, so that what all routes share (the line in x, the load) is learned from
+    all of them, and c, k are the differences between routes measured side by side. `routes[0]` is
+    the baseline (c = k = 0): a route seldom taken keeps its prior difference from it instead of
+    drifting with whichever route is taken most. xr (default x) is what the route's own effect grows
+    with (for P: the tokens P computes for this request, not its queue). Ridge: c, k pulled towards
+    their priors as strongly as RIDGE samples (k as RIDGE samples SLOPE_SCALE tokens long), e towards
+    the first pair only as PAIR_RIDGE samples would (pairs differ by their links). Before min_samples
+    samples it answers its priors."""
+
     def __init__(self, routes: tuple[str, ...], priors: dict[str, float], a0: float, b0: float,
-                 half_life: float = 30.0, min_samples: int = 4) -> None:
-        """`routes[0]` is the baseline (c = 0); `priors` the other routes' c before any sample."""
+                 half_life: float = 30.0, min_samples: int = 4, slope_priors: dict[str, float] | None = None) -> None:
         self.routes, self.priors, self.a0, self.b0, self.min_samples = routes, priors, a0, b0, min_samples
+        self.slope_priors = slope_priors or {}
         self.decay = 0.5 ** (1.0 / half_life)
         self.pairs: list[tuple[str, str]] = []
         self.n = 0
@@ -62,32 +71,39 @@ class RestModel:
         self.xty = np.zeros(0)
         self._coef: np.ndarray | None = None
 
-    def _features(self, x: float, load: float, route: str, pair: tuple[str, str]) -> np.ndarray:
-        r = len(self.routes)
-        f = np.zeros(2 + r + max(len(self.pairs) - 1, 0))
+    @property
+    def _slope0(self) -> int:  # first per-route slope column (after 1, x, load and the route offsets)
+        return 2 + len(self.routes)
+
+    @property
+    def _pair0(self) -> int:  # first pair column
+        return self._slope0 + len(self.routes) - 1
+
+    def _features(self, x: float, load: float, route: str, pair: tuple[str, str], xr: float) -> np.ndarray:
+        f = np.zeros(self._pair0 + max(len(self.pairs) - 1, 0))
         f[0], f[1], f[2] = 1.0, x, load
         if route != self.routes[0]:
-            f[2 + self.routes.index(route)] = 1.0
+            i = self.routes.index(route)
+            f[2 + i], f[self._slope0 + i - 1] = 1.0, xr / SLOPE_SCALE
         if pair in self.pairs[1:]:  # the first pair seen is the baseline (e = 0)
-            f[1 + r + self.pairs.index(pair)] = 1.0
+            f[self._pair0 + self.pairs.index(pair) - 1] = 1.0
         return f
 
     def _grow(self, pair: tuple[str, str]) -> None:
         if pair in self.pairs:
             return
         self.pairs.append(pair)
-        k = 2 + len(self.routes) + len(self.pairs) - 1
+        k = self._pair0 + len(self.pairs) - 1
         xtx, xty = np.zeros((k, k)), np.zeros(k)
         m = self.xtx.shape[0]
         xtx[:m, :m], xty[:m] = self.xtx, self.xty
         self.xtx, self.xty = xtx, xty
 
-    def add(self, x: float, load: float, y: float, route: str, pair: tuple[str, str]) -> None:
+    def add(self, x: float, load: float, y: float, route: str, pair: tuple[str, str], xr: float | None = None) -> None:
         if self.xtx.shape[0] == 0:
-            k = 2 + len(self.routes)
-            self.xtx, self.xty = np.zeros((k, k)), np.zeros(k)
+            self.xtx, self.xty = np.zeros((self._pair0, self._pair0)), np.zeros(self._pair0)
         self._grow(pair)
-        f = self._features(x, load, route, pair)
+        f = self._features(x, load, route, pair, x if xr is None else xr)
         self.xtx = self.xtx * self.decay + np.outer(f, f)
         self.xty = self.xty * self.decay + f * y
         self.n += 1
@@ -100,10 +116,11 @@ class RestModel:
             ridge, prior = np.zeros(k), np.zeros(k)
             ridge[1], prior[1] = RIDGE * SLOPE_SCALE**2, self.b0  # all samples of one length: the prior slope
             ridge[2] = RIDGE  # a steady load: no load effect
-            ridge[3 : 2 + len(self.routes)] = RIDGE
-            ridge[2 + len(self.routes) :] = PAIR_RIDGE
+            ridge[3 : self._pair0] = RIDGE
+            ridge[self._pair0 :] = PAIR_RIDGE
             for i, r in enumerate(self.routes[1:]):
                 prior[3 + i] = self.priors.get(r, 0.0)
+                prior[self._slope0 + i] = self.slope_priors.get(r, 0.0) * SLOPE_SCALE
             a = self.xtx + np.diag(ridge) + np.eye(k) * 1e-12
             coef = np.linalg.solve(a, self.xty + ridge * prior)
             if coef[1] < 0:  # more tokens never take less time: refit without the slope
@@ -113,37 +130,20 @@ class RestModel:
             self._coef = coef
         return self._coef
 
-    def __call__(self, x: float, load: float, route: str, pair: tuple[str, str]) -> float:
+    def slope(self) -> float:
+        """b: seconds per unit of x, shared by every route."""
+        return float(self._solve()[1]) if self.n >= self.min_samples else self.b0
+
+    def __call__(self, x: float, load: float, route: str, pair: tuple[str, str], xr: float | None = None) -> float:
+        xr = max(x if xr is None else xr, 0.0)
         if self.n < self.min_samples:
-            return self.a0 + self.b0 * max(x, 0.0) + (0.0 if route == self.routes[0] else self.priors.get(route, 0.0))
+            prior = self.priors.get(route, 0.0) + self.slope_priors.get(route, 0.0) * xr
+            return self.a0 + self.b0 * max(x, 0.0) + (0.0 if route == self.routes[0] else prior)
         coef = self._solve()
-        f = self._features(max(x, 0.0), load, route, pair)
+        f = self._features(max(x, 0.0), load, route, pair, xr)
         if self.pair_n.get(pair, 0) < 2:  # an unmeasured pair: as the first pair
-            f[2 + len(self.routes) :] = 0.0
+            f[self._pair0 :] = 0.0
         return max(float(f @ coef), 0.0)
-
-
-class RouteSlope:
-    """What a route adds per token to a time every route shares (P's prefill: push-layerwise's layer
-    hooks and per-layer WRITEs, push's WRITE run on P's core): k[route] seconds per token, a decayed
-    least squares through the origin of (tokens, residual of the shared line) per route, pulled
-    towards 0 as strongly as RIDGE samples of SLOPE_SCALE tokens would. Relative: the shared line
-    fits every route's samples, so the most taken route sits near 0 and the others differ from it."""
-
-    def __init__(self, half_life: float = 50.0) -> None:
-        self.decay = 0.5 ** (1.0 / half_life)
-        self.sums: dict[str, tuple[float, float]] = {}  # route -> (sum w x^2, sum w x y)
-
-    def add(self, route: str, tokens: float, residual: float) -> None:
-        sxx, sxy = self.sums.get(route, (0.0, 0.0))
-        self.sums[route] = (sxx * self.decay + tokens * tokens, sxy * self.decay + tokens * residual)
-
-    def slope(self, route: str) -> float:
-        sxx, sxy = self.sums.get(route, (0.0, 0.0))
-        return sxy / (sxx + RIDGE * SLOPE_SCALE**2)
-
-    def __call__(self, route: str, tokens: float) -> float:
-        return self.slope(route) * max(tokens, 0.0)
 
 
 class LocalBudget:
