@@ -12,20 +12,22 @@ Signals (all free for the proxy; no extra round trip):
                 CHARS_PER_UNIT-character chunks of text or chat messages), LRU-bounded
     p_prefix    the same for P (its prefix cache spares it those tokens)
     p_queue     prompt tokens P still has to prefill for legs dispatched before this one
-    p_waiting   how many requests those are
+    p_waiting   how many requests those are (the one P is prefilling included)
     d_queue     prompt tokens D still has to prefill for local requests dispatched before this one
     d_running   requests decoding on D: in flight there, less those whose prefill is still pending
                 (queued or running on P, or queued on D): a local prefill stalls each of them once.
                 Requests waiting for their KV are not stalled by it (they wait on P), and in a burst
                 at P they are many: counting them would keep D's prefill out exactly when it helps
 Learned fits, from every finished request's trace (decayed least squares):
-    prefill[route, P, D] P's api_received -> prefill done: one fit over every remote route (kv_fit.RouteFit),
-                        a + b (P's queue + own) + c[route] + k[route] own + e[P, D], own = the tokens P
+    prefill[route, P]   P's api_received -> prefill done: one fit over every remote route (kv_fit.RouteFit),
+                        a + b (P's queue + own) + c[route] + k[route] own + e[P], own = the tokens P
                         computes for this request: push-layerwise's layer hooks and per-layer WRITEs (and
                         push's WRITE) run on P's core, so routes differ in P's time too; against push as
-                        the baseline, so that a route seldom taken keeps its prior difference (measured
-                        here: push-layerwise +3.3 ms + 6.3 us per token, pull as push) instead of
-                        drifting with whichever route is taken most
+                        the baseline, so that a route seldom taken keeps its difference from push (pulled
+                        towards its prior as strongly as 2 samples would; prior, measured on this machine:
+                        push-layerwise +3.3 ms + 6.3 us per token, pull as push) instead of drifting with
+                        whichever route is taken most. A route measured only by exploring (every 100th
+                        request) stays about two-thirds prior: on other hardware the prior matters
     local               D's api_received -> first token         vs tokens D computed (+ its queue)
     rest[route, P, D]   TTFT - P's part                       vs tokens moved (prompt - D's prefix):
                         and the requests decoding on D: one fit over every remote route,
@@ -35,7 +37,7 @@ Learned fits, from every finished request's trace (decayed least squares):
     (TTFT = proxy received -> D's leg sent on the proxy's clock + D's api_received -> first token on
     D's: no two clocks are subtracted from each other, so it holds across hosts.)
 Estimates and costs (seconds):
-    remote r:  prefill[r](p_queue + own, own) + rest[r, P, D](tokens - d_prefix), own = tokens - p_prefix;
+    remote r:  prefill[r, P](p_queue + own, own) + rest[r, P, D](tokens - d_prefix), own = tokens - p_prefix;
                its cost adds what it slows P for the requests behind it: (prefill[r] - the least
                prefill[r'] of the remote routes) x p_waiting (in a FIFO queue a request leaves as many
                behind as it found ahead, on average)
@@ -171,13 +173,15 @@ class Decision:
     prefilled: bool = False  # its tokens have left the prefill queue they were counted in
     local_s: float = 0.0  # D's prefill time for it, were it local (the queue not included)
     p_parts_s: dict[str, float] = field(default_factory=dict)  # P's part of each remote route's estimate
+    costs_s: dict[str, float] = field(default_factory=dict)  # what the choice compared
 
     def to_json(self) -> dict:
         """What the request's answer says about it (`kvpush_route`)."""
         return {"route": self.route.value, "forced": self.forced, "tokens": round(self.tokens),
                 "d_prefix_tokens": round(self.d_prefix), "p_prefix_tokens": round(self.p_prefix),
                 "p_waiting": self.p_waiting, "d_running": self.d_running,
-                "estimates_ms": {r: round(s * 1e3, 2) for r, s in self.estimates_s.items()}}
+                "estimates_ms": {r: round(s * 1e3, 2) for r, s in self.estimates_s.items()},
+                "costs_ms": {r: round(s * 1e3, 2) for r, s in self.costs_s.items()}}
 
 
 @dataclass
@@ -199,7 +203,9 @@ class CostModel:
         self.local_max_s = local_max_s
         self.tokens_per_char = PRIOR_TOKENS_PER_CHAR
         remote = (Route.PUSH.value, Route.PUSH_LAYERWISE.value, Route.PULL.value)
-        # P's prefill per route (priors: what push-layerwise's hooks cost P, measured in regime_full11).
+        # P's prefill per route, per P (priors: what push-layerwise's hooks cost P here: medians of P's
+        # admitted -> prefill done in regime_full11's fixed-mode runs, +4.1 / 8.4 / 16.2 ms at 128 / 512 / 2,048
+        # tokens, read ad hoc).
         self.prefill = RouteFit(remote, {Route.PUSH_LAYERWISE.value: 0.0033}, 0.005, 0.0004, half_life=50.0,
                                 slope_priors={Route.PUSH_LAYERWISE.value: 6.3e-6})
         self.local = Line(0.005, 0.0004)
@@ -233,7 +239,7 @@ class CostModel:
     def p_time(self, route: Route, d: Decision, queue: float) -> float:
         """P's prefill of this request by `route` (a remote route) behind `queue` tokens."""
         own = d.tokens - d.p_prefix
-        return self.prefill(queue + own, 0.0, route.value, d.pair, own)
+        return self.prefill(queue + own, 0.0, route.value, (d.pair[0], ""), own)
 
     def cost(self, route: Route, d: Decision) -> float:
         est = d.estimates_s[route.value]
@@ -273,10 +279,11 @@ class CostModel:
         self.decisions += 1
         least = min(self.samples[r] for r in allowed)
         every = EXPLORE_EVERY if least < WELL_MEASURED else EXPLORE_EVERY_LATER
+        d.costs_s = {r.value: self.cost(r, d) for r in allowed}
         if len(allowed) > 1 and self.decisions % every == 0:
-            d.route = min(allowed, key=lambda r: (self.samples[r], self.cost(r, d)))
+            d.route = min(allowed, key=lambda r: (self.samples[r], d.costs_s[r.value]))
         else:
-            d.route = min(allowed, key=lambda r: self.cost(r, d))
+            d.route = min(allowed, key=lambda r: d.costs_s[r.value])
         return d
 
     # ---- learning ------------------------------------------------------------------------
@@ -295,7 +302,7 @@ class CostModel:
                 self.local.add(d.d_queue + moved, out.d_time_s)
         elif out.p_time_s is not None:
             own = tokens - d.p_prefix
-            self.prefill.add(d.p_queue + own, 0.0, out.p_time_s, d.route.value, d.pair, own)
+            self.prefill.add(d.p_queue + own, 0.0, out.p_time_s, d.route.value, (d.pair[0], ""), own)
             self.rest.add(moved, d.d_running, max(out.ttft_s - out.p_time_s, 0.0), d.route.value, d.pair)
         est = d.estimates_s.get(d.route.value)
         return out.ttft_s / est if est and math.isfinite(est) and est > 0 else None

@@ -1,9 +1,9 @@
 """Online fits for --kv-mode auto's cost model (kv_choice.py): plain Python and numpy, no I/O.
 
     Line        y = a + b x, decayed least squares (prefill time vs tokens, and the like)
-    RouteFit    y = a + b x + g load + c[route] + k[route] xr + e[P, D]: one decayed ridge least squares
+    RouteFit    y = a + b x + g load + c[route] + k[route] xr + e[pair]: one decayed ridge least squares
                 over every route's samples, for P's prefill (x: P's queue + the request's tokens, xr:
-                its tokens) and for the rest of a remote route's TTFT (x: tokens moved, load: the
+                its tokens, pair: P alone) and for the rest of a remote route's TTFT (x: tokens moved, load: the
                 requests decoding on D), so that a rising load raises every route's estimate, not
                 only the one measured under it, and c, k, e are the differences between routes and
                 pairs, measured side by side against a fixed baseline route
