@@ -47,6 +47,8 @@ def main() -> None:
     ap.add_argument("--max-prompts", type=int, default=None)
     ap.add_argument("--result-dir", default="kvpush-results/regime_map")
     ap.add_argument("--no-pin", action="store_true")
+    ap.add_argument("--no-calibrate", action="store_true",
+                    help="skip the probe that restarts a deployment started on a slow process (kvpush/bench/calibrate.py)")
     ap.add_argument("--auto-proxy-args", default="", help="extra `kvpush proxy` flags of the auto deployment, "
                                                           "e.g. \"--auto-stall-weight 2\" (one flag alone: --auto-proxy-args=--flag=value)")
     ap.add_argument("--report-only", action="store_true", help="only regenerate the report from the JSON")
@@ -70,6 +72,7 @@ def main() -> None:
                         run_s=args.run_s or run_s, min_prompts=args.min_prompts or defaults.min_prompts,
                         max_prompts=args.max_prompts or max_prompts,
                         result_dir=args.result_dir, pin=not args.no_pin, auto_proxy_args=shlex.split(args.auto_proxy_args),
+                        calibrate=not args.no_calibrate,
                         repeats=args.repeats or (1 if grid == "full" else 2),
                         command=shlex.join(["python", "benchmarks/regime_map.py", *sys.argv[1:]]))
         path = run_map(cfg)

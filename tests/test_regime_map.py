@@ -115,7 +115,7 @@ def test_link_only_maps_the_slow_link_alone(tmp_path: Path, monkeypatch: pytest.
     import kvpush.netlink as netlink
 
     mapped: list[str] = []
-    monkeypatch.setattr(regime, "map_link", lambda cfg, name, link, results, save: mapped.append(name))
+    monkeypatch.setattr(regime, "map_link", lambda cfg, name, link, results, save, calibration: mapped.append(name))
     monkeypatch.setattr(netlink, "require_root", lambda: None)
 
     class Link:
@@ -148,3 +148,16 @@ def test_a_map_of_the_slow_link_alone_has_its_own_readme_section(tmp_path: Path)
     body = readme.read_text()
     assert "quick text" in body and "old link text" not in body
     assert (tmp_path / "docs/img/regime_map_quick-link.png").exists()
+
+
+def test_the_report_says_which_processes_the_check_restarted():
+    from kvpush.bench.regime_report import calibration_lines
+
+    assert calibration_lines({"cells": []}) == []
+    ok = {"probes": {}, "slow": {}, "restarted": []}
+    slow = {"probes": {}, "slow": {"auto": "step 5.34 ms > 1.15 x median 3.98"}, "restarted": ["auto"]}
+    still = {"probes": {}, "slow": {"auto": "step 5.1 ms > 1.15 x median 3.9"}, "restarted": []}
+    assert "no restart" in calibration_lines({"calibration": {"full 128/32": [ok]}})[0]
+    line = calibration_lines({"calibration": {"full 128/32": [ok], "full 512/32": [slow, still]}})[0]
+    assert "full 512/32: auto (step 5.34 ms > 1.15 x median 3.98)" in line
+    assert "still slow after its restarts, measured as it was: full 512/32: auto" in line

@@ -1,7 +1,8 @@
 """The regime map: where push beats pull, where it loses, and whether auto keeps up with the best.
 
     STARTING (one deployment per mode: colocated, pull, push, push-layerwise, auto; on a rate-limited
-       link too with --link-gbps) -> per link and (prompt length, output length): CAPACITY (the slower
+       link too with --link-gbps) -> per link and (prompt length, output length): CALIBRATED (every
+       deployment probed; one running on a slow process restarted, bench/calibrate.py), CAPACITY (the slower
        of push and pull, every request at once) -> per (load fraction, prefix) cell: every mode in
        rotating order on the same prompts at load x capacity -> SUMMARY (percentiles and ratios with
        95% bootstrap intervals per cell) -> STOPPED (every process, also on error or Ctrl-C)
@@ -27,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from kvpush.bench import cli as bench_cli
+from kvpush.bench.calibrate import CalibrationConfig, calibrate
 from kvpush.bench.report import mode_ratio_ci, request_values
 from kvpush.bench.stats import Stat, fmt_ci, p50, p99, verdict
 from kvpush.bench.suite import Fleet, SuiteConfig, bench_args, measure_capacity
@@ -68,6 +70,7 @@ class MapConfig:
     command: str = ""  # how the map was run (shown in the report)
     serve_args: list[str] = field(default_factory=lambda: ["--torch-threads", "1"])
     auto_proxy_args: list[str] = field(default_factory=list)  # e.g. ["--auto-stall-weight", "2"]
+    calibrate: bool = True  # probe every deployment first and restart a slow process (bench/calibrate.py)
 
 
 @dataclass(frozen=True)
@@ -187,8 +190,10 @@ def cells_for(cfg: MapConfig, link: str, input_len: int, output_len: int) -> lis
     return [Cell(link, input_len, output_len, load, prefix) for load in grid["loads"] for prefix in grid["prefixes"]]
 
 
-def map_link(cfg: MapConfig, link_name: str, link: Any, results: list[dict], save: Callable[[], None]) -> None:
-    """Start the fleet (over `link`, or none), then every cell of the grid on it."""
+def map_link(cfg: MapConfig, link_name: str, link: Any, results: list[dict], save: Callable[[], None],
+             calibration: dict[str, list[dict]]) -> None:
+    """Start the fleet (over `link`, or none), check its processes (calibration), then every cell of the
+    grid on it."""
     grid = GRIDS[cfg.grid]
     base = SuiteConfig(model=cfg.model, modes=cfg.modes, serve_args=cfg.serve_args, pin=cfg.pin,
                        auto_proxy_args=cfg.auto_proxy_args,
@@ -196,9 +201,13 @@ def map_link(cfg: MapConfig, link_name: str, link: Any, results: list[dict], sav
     log_dir = os.path.join(cfg.result_dir, "logs", link_name.replace(" ", "").replace("/", "_"))
     os.makedirs(log_dir, exist_ok=True)
     fleet = Fleet(base, log_dir, link).start()
+    probe = CalibrationConfig(prompt_len=min(256, grid["input_lens"][0]), vocab_size=base.vocab_size)
     try:
         for input_len in grid["input_lens"]:
             for output_len in grid["output_lens"]:
+                if cfg.calibrate:  # a process can also turn slow while it serves: checked again every row
+                    calibration[f"{link_name} {input_len}/{output_len}"] = calibrate(fleet, probe, cfg.seed)
+                    save()
                 suite = SuiteConfig(**{**base.__dict__, "input_len": input_len, "output_len": output_len})
                 capacity = measure_capacity(suite, fleet)
                 print(f"[{link_name} {input_len}/{output_len}] capacity {capacity:.3f} req/s", flush=True)
@@ -217,22 +226,23 @@ def run_map(cfg: MapConfig) -> Path:
     Path(cfg.result_dir).mkdir(parents=True, exist_ok=True)
     path = Path(cfg.result_dir) / "regime_map.json"
     results: list[dict] = []
+    calibration: dict[str, list[dict]] = {}
     started = time.time()
 
     def save() -> None:
         doc = {"config": asdict(cfg), "environment": bench_cli.environment(), "elapsed_s": time.time() - started,
-               "cells": results}
+               "calibration": calibration, "cells": results}
         path.write_text(json.dumps(doc, indent=1))
 
     if cfg.full_link or cfg.link_gbps is None:
-        map_link(cfg, "full", None, results, save)
+        map_link(cfg, "full", None, results, save, calibration)
     if cfg.link_gbps is not None:
         from kvpush.netlink import LinkConfig, RateLimitedLink, require_root
 
         require_root()
         link = RateLimitedLink(LinkConfig(gbps=cfg.link_gbps)).start()
         try:
-            map_link(cfg, f"{cfg.link_gbps:g} Gbit/s", link, results, save)
+            map_link(cfg, f"{cfg.link_gbps:g} Gbit/s", link, results, save, calibration)
         finally:
             link.close()
     save()

@@ -151,11 +151,26 @@ def section(doc: dict[str, Any], png: str | None) -> str:
         "slower of push and pull at full concurrency; 95% bootstrap intervals; **bold** = the interval excludes 1).",
         "",
         findings(doc),
+        *calibration_lines(doc),
         "",
         *([f"![regime map]({png})", ""] if png else []),
         markdown(doc),
         end,
     ])
+
+
+def calibration_lines(doc: dict[str, Any]) -> list[str]:
+    """What the process check (bench/calibrate.py) found and restarted, per grid row; nothing if not run."""
+    cal = doc.get("calibration") or {}
+    if not cal:
+        return []
+    restarts = [f"{row}: {m} ({why})" for row, rounds in cal.items() for r in rounds
+                for m, why in r["slow"].items() if m in r["restarted"]]
+    kept = [f"{row}: {m}" for row, rounds in cal.items() for m in (rounds[-1]["slow"] if rounds else {})]
+    return ["- **Process check** (every deployment probed before each row; one whose decode step or P's prefill "
+            "ran > 1.15x the median of the others restarted): "
+            + ("; ".join(restarts) if restarts else "no restart")
+            + (f"; still slow after its restarts, measured as it was: {'; '.join(kept)}" if kept else "") + "."]
 
 
 def update_readme(readme: Path, text: str, grid: str) -> None:

@@ -1,0 +1,142 @@
+"""Before a side-by-side run: no deployment may start on a slow process.
+
+On this machine a server process sometimes runs its decode steps 30% slower than another process
+of the same code on the same pinned core, idle, for its whole life (regime_full12: the auto
+deployment's D at 5.0 ms a batch-1 step against 3.8 for the pull, push and push-layerwise D's and
+the colocated server, probed after the grid; every auto cell's TPOT was worse). Comparing modes
+across such processes measures the process, not the mode, so each deployment is probed first:
+
+    PROBE   per deployment, `requests` sequential streamed requests of fresh random prompts through
+            its endpoint (auto: route push forced, so that P and D both work): D's step = the median
+            gap between tokens, P's prefill = the median of P's admitted -> prefill done stamps
+    CHECK   a deployment is slow when its step (or P's prefill) exceeds `slow_ratio` x the median of
+            every deployment's (P: of every disaggregated one; push-layerwise's P is not judged, its
+            layer hooks make it slower by design)
+    RESTART the slow deployments (stop, start on the same ports) and PROBE again, at most `tries` times
+    DONE    every probe is kept (the map's JSON, printed); a deployment still slow after its tries is
+            reported and measured as it is, never dropped
+
+The probe is a check of the processes, not a measurement of the modes: its numbers are not compared.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+import urllib.request
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from kvpush.bench.suite import Fleet
+
+FORCE_HEADER = "X-KVPush-KV-Mode"
+
+
+@dataclass(frozen=True)
+class CalibrationConfig:
+    requests: int = 3
+    prompt_len: int = 256
+    output_len: int = 48
+    slow_ratio: float = 1.15
+    tries: int = 2
+    timeout_s: float = 60.0
+    vocab_size: int = 8192
+
+
+@dataclass
+class Probe:
+    step_ms: float | None  # D's (or the colocated server's) median inter-token gap
+    prefill_ms: float | None  # P's median admitted -> prefill done (disaggregated deployments)
+
+
+def stream_once(url: str, prompt: list[int], max_tokens: int, headers: dict[str, str],
+                timeout_s: float) -> tuple[list[float], dict[str, Any]]:
+    """One streamed greedy completion: the arrival time of every token chunk and the final kvpush_trace."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True, "stream": True}
+    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json", **headers})
+    times: list[float] = []
+    trace: dict[str, Any] = {}
+    with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+        for raw in resp:
+            line = raw.strip()
+            if not line.startswith(b"data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            for holder in [chunk, *(chunk.get("choices") or [])]:
+                if isinstance(holder, dict) and isinstance(holder.get("kvpush_trace"), dict):
+                    trace = holder["kvpush_trace"]
+            if any(c.get("text") for c in chunk.get("choices") or []):
+                times.append(time.perf_counter())
+    return times, trace
+
+
+def probe(url: str, headers: dict[str, str], cfg: CalibrationConfig, rng: np.random.Generator) -> Probe:
+    gaps: list[float] = []
+    prefills: list[float] = []
+    for _ in range(cfg.requests):
+        prompt = [int(t) for t in rng.integers(3, cfg.vocab_size, cfg.prompt_len)]  # fresh: no prefix hit
+        times, trace = stream_once(url, prompt, cfg.output_len, headers, cfg.timeout_s)
+        gaps += [(b - a) * 1e3 for a, b in zip(times, times[1:], strict=False)]
+        start, done = trace.get("p_admitted"), trace.get("p_prefill_done")
+        if isinstance(start, (int, float)) and isinstance(done, (int, float)):
+            prefills.append((done - start) * 1e3)
+    return Probe(statistics.median(gaps) if gaps else None, statistics.median(prefills) if prefills else None)
+
+
+def slow(probes: dict[str, Probe], ratio: float) -> dict[str, str]:
+    """Deployment -> why it is slow (its step or P's prefill above ratio x the median of all)."""
+    out: dict[str, str] = {}
+    steps = [p.step_ms for p in probes.values() if p.step_ms is not None]
+    judged = {m: p.prefill_ms for m, p in probes.items() if p.prefill_ms is not None and m != "push-layerwise"}
+    for name, values, judged_here in (("step", steps, {m: p.step_ms for m, p in probes.items()}),
+                                      ("prefill", list(judged.values()), judged)):
+        if len(values) < 2:
+            continue
+        median = statistics.median(values)
+        for mode, v in judged_here.items():
+            if v is not None and v > ratio * median:
+                out[mode] = f"{name} {v:.2f} ms > {ratio:g} x median {median:.2f}"
+    return out
+
+
+def calibrate(fleet: Fleet, cfg: CalibrationConfig, seed: int = 0) -> list[dict[str, Any]]:
+    """Probe every endpoint of the fleet, restart the slow deployments, probe again (see the module
+    docstring). Returns one record per round: {"probes": {mode: {step_ms, prefill_ms}}, "slow": {mode:
+    why}, "restarted": [modes]}."""
+    rng = np.random.default_rng(seed + 7_777)
+    targets = [m for m in fleet.urls if "@" not in m]
+    rounds: list[dict[str, Any]] = []
+    for attempt in range(cfg.tries + 1):
+        probes = {m: probe(fleet.urls[m], {FORCE_HEADER: "push"} if m == "auto" else {}, cfg, rng) for m in targets}
+        found = slow(probes, cfg.slow_ratio)
+        restart = list(found) if attempt < cfg.tries else []
+        rounds.append({"probes": {m: vars(p) for m, p in probes.items()}, "slow": found, "restarted": restart})
+        print("calibration: " + ", ".join(f"{m} step {_ms(p.step_ms)} prefill {_ms(p.prefill_ms)}"
+                                          for m, p in probes.items())
+              + (f"; slow: {found}" if found else "; none slow"), flush=True)
+        if not restart:
+            break
+        for mode in restart:
+            print(f"calibration: restarting {mode} ({found[mode]})", flush=True)
+            restart_endpoint(fleet, mode)
+    return rounds
+
+
+def restart_endpoint(fleet: Fleet, mode: str) -> None:
+    """Stop and start a mode's processes on the same ports (its URL stays)."""
+    if mode in fleet.deployments:
+        fleet.deployments[mode].stop()
+        fleet.deployments[mode].start()
+    elif mode == "colocated" and fleet.colocated is not None:
+        fleet.colocated.stop()
+        fleet.colocated.start()
+        fleet.colocated.wait_healthy(300)
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f} ms"

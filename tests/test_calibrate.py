@@ -1,0 +1,41 @@
+"""The side-by-side runs' process check (kvpush/bench/calibrate.py): which deployment counts as slow,
+and the probe and restart on a real colocated server and a real 1P1D push deployment."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvpush.bench.calibrate import CalibrationConfig, Probe, calibrate, slow, stream_once
+from kvpush.bench.suite import Fleet, SuiteConfig
+
+
+def test_a_slow_step_or_prefill_is_named_and_push_layerwise_prefill_is_not_judged():
+    probes = {"colocated": Probe(3.8, None), "pull": Probe(3.9, 100.0), "push": Probe(5.0, 101.0),
+              "push-layerwise": Probe(3.8, 140.0), "auto": Probe(3.85, 130.0)}
+    found = slow(probes, 1.15)
+    assert set(found) == {"push", "auto"}, found
+    assert found["push"].startswith("step 5.00 ms") and found["auto"].startswith("prefill 130.00 ms")
+    assert slow({"push": Probe(9.0, 500.0)}, 1.15) == {}  # nothing to compare with
+    assert slow({"a": Probe(None, None), "b": Probe(4.0, None)}, 1.15) == {}
+
+
+def test_calibration_probes_every_endpoint_and_restarts_the_slow_ones(tiny_model: str, tmp_path: Path):
+    fleet = Fleet(SuiteConfig(model=tiny_model, modes=("colocated", "push"), serve_args=["--torch-threads", "1"]),
+                  str(tmp_path)).start()
+    try:
+        cfg = CalibrationConfig(requests=2, prompt_len=24, output_len=6, tries=1, vocab_size=1024, slow_ratio=10.0)
+        rounds = calibrate(fleet, cfg)
+        assert len(rounds) == 1 and rounds[0]["slow"] == {} and rounds[0]["restarted"] == []
+        probes = rounds[0]["probes"]
+        assert probes["colocated"]["step_ms"] > 0 and probes["colocated"]["prefill_ms"] is None
+        assert probes["push"]["step_ms"] > 0 and probes["push"]["prefill_ms"] > 0  # P's stamps came back
+        # ratio 0: every endpoint is "slow": restarted once, probed again, then kept as it is
+        pids = {m: fleet.deployments["push"].proxy.proc.pid for m in ("push",)}
+        rounds = calibrate(fleet, CalibrationConfig(**{**cfg.__dict__, "slow_ratio": 0.0}))
+        assert len(rounds) == 2 and set(rounds[0]["restarted"]) == {"colocated", "push"}
+        assert rounds[1]["restarted"] == [] and set(rounds[1]["slow"]) == {"colocated", "push"}
+        assert fleet.deployments["push"].proxy.proc.pid != pids["push"]  # new processes, same URL
+        times, _ = stream_once(fleet.urls["push"], [5, 6, 7, 8], 3, {}, 30.0)
+        assert len(times) >= 1
+    finally:
+        fleet.stop()
