@@ -35,13 +35,15 @@ def main() -> None:
     ap.add_argument("--modes", nargs="+", default=["colocated", "pull", "push"])
     ap.add_argument("--result-dir", default="kvpush-results/push_vs_pull")
     ap.add_argument("--no-pin", action="store_true", help="let P and D share cores (default: pinned, kvpush up --pin)")
+    ap.add_argument("--no-calibrate", action="store_true",
+                    help="skip the probe that restarts a deployment started on a slow process (kvpush/bench/calibrate.py)")
     args = ap.parse_args()
     model = args.model or ensure_model(default_model_dir(), "bench")
     run_suite(SuiteConfig(model=model, modes=tuple(args.modes), rates=tuple(args.rates),
                           num_prompts=args.num_prompts, repeats=args.repeats, input_len=args.input_len,
                           output_len=args.output_len, result_dir=args.result_dir,
                           serve_args=["--torch-threads", "1"], pin=not args.no_pin,
-                          capacity_fractions=tuple(args.capacity_fractions)))
+                          capacity_fractions=tuple(args.capacity_fractions), calibrate=not args.no_calibrate))
 
 
 if __name__ == "__main__":

@@ -39,3 +39,31 @@ def test_calibration_probes_every_endpoint_and_restarts_the_slow_ones(tiny_model
         assert len(times) >= 1
     finally:
         fleet.stop()
+
+
+def test_the_suite_checks_the_processes_before_it_measures(tmp_path: Path, monkeypatch):
+    import kvpush.bench.suite as suite
+
+    calls: list[object] = []
+
+    class FakeFleet:
+        def __init__(self, cfg: SuiteConfig, log_dir: str) -> None:
+            self.deployments: dict = {}
+
+        def start(self) -> FakeFleet:
+            calls.append("start")
+            return self
+
+        def stop(self) -> None:
+            calls.append("stop")
+
+    monkeypatch.setattr(suite, "Fleet", FakeFleet)
+    monkeypatch.setattr(suite, "idle_cpu", lambda fleet, seconds: calls.append("idle") or {})
+    monkeypatch.setattr(suite, "calibrate", lambda fleet, cfg, seed: calls.append(("check", cfg.prompt_len)) or [])
+    monkeypatch.setattr(suite, "compare", lambda runs, out: (tmp_path / "compare.md", []))
+    for name in ("format_table", "format_phases", "format_handover"):
+        monkeypatch.setattr(suite, name, lambda docs: "")
+    for on, expect in ((True, ["start", ("check", 128), "idle", "stop"]), (False, ["start", "idle", "stop"])):
+        calls.clear()
+        suite.run_suite(SuiteConfig(model="m", repeats=0, input_len=128, calibrate=on, result_dir=str(tmp_path)))
+        assert calls == expect

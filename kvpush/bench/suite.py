@@ -1,6 +1,7 @@
 """Push vs pull vs colocated, side by side: start one deployment per mode, then load each in turn.
 
     STARTING (colocated server; 1P1D push + proxy; 1P1D pull + proxy; all healthy)
+    -> CALIBRATED (with cfg.calibrate: every deployment probed, one on a slow process restarted)
     -> MEASURING (idle CPU of every instance; then per repeat and rate, each mode in rotating
        order on the same prompts; one run JSON each) -> REPORT (table, breakdown, PNGs)
     -> STOPPED (every process, also on error or Ctrl-C)
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvpush.bench import cli as bench_cli
+from kvpush.bench.calibrate import CalibrationConfig, calibrate
 from kvpush.bench.report import compare, format_handover, format_phases, format_table, load_run
 from kvpush.launch import ServerProcess, free_port
 from kvpush.server.up import Deployment
@@ -52,6 +54,7 @@ class SuiteConfig:
     progress: bool = False
     pin: bool = False  # P and D on separate halves of the cores (see kvpush.placement)
     auto_proxy_args: list[str] = field(default_factory=list)  # extra `kvpush proxy` flags of the auto deployment
+    calibrate: bool = False  # run_suite: check the processes first, restart a slow one (bench/calibrate.py)
 
 
 class Fleet:
@@ -188,6 +191,8 @@ def run_suite(cfg: SuiteConfig) -> tuple[list[Path], Path, list[Path]]:
         print(f"{mode} placement: {'; '.join(dep.placement)}", flush=True)
     runs: list[Path] = []
     try:
+        if cfg.calibrate:
+            calibrate(fleet, CalibrationConfig(prompt_len=min(256, cfg.input_len), vocab_size=cfg.vocab_size), cfg.seed)
         cpu = idle_cpu(fleet, cfg.idle_probe_s)
         print("idle CPU (share of one core): " + ", ".join(f"{k} {v:.1%}" for k, v in cpu.items()), flush=True)
         rates = cfg.rates
