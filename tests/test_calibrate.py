@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvpush.bench.calibrate import CalibrationConfig, Probe, calibrate, slow, stream_once
+import numpy as np
+
+from kvpush.bench.calibrate import CalibrationConfig, Probe, calibrate, probe, slow
 from kvpush.bench.suite import Fleet, SuiteConfig
 
 
@@ -23,7 +25,8 @@ def test_calibration_probes_every_endpoint_and_restarts_the_slow_ones(tiny_model
     fleet = Fleet(SuiteConfig(model=tiny_model, modes=("colocated", "push"), serve_args=["--torch-threads", "1"]),
                   str(tmp_path)).start()
     try:
-        cfg = CalibrationConfig(requests=2, prompt_len=24, output_len=6, tries=1, vocab_size=1024, slow_ratio=10.0)
+        cfg = CalibrationConfig(tiny_model, requests=2, prompt_len=24, output_len=6, tries=1, vocab_size=1024,
+                                slow_ratio=10.0)
         rounds = calibrate(fleet, cfg)
         assert len(rounds) == 1 and rounds[0]["slow"] == {} and rounds[0]["restarted"] == []
         probes = rounds[0]["probes"]
@@ -35,8 +38,7 @@ def test_calibration_probes_every_endpoint_and_restarts_the_slow_ones(tiny_model
         assert len(rounds) == 2 and set(rounds[0]["restarted"]) == {"colocated", "push"}
         assert rounds[1]["restarted"] == [] and set(rounds[1]["slow"]) == {"colocated", "push"}
         assert fleet.deployments["push"].proxy.proc.pid != pids["push"]  # new processes, same URL
-        times, _ = stream_once(fleet.urls["push"], [5, 6, 7, 8], 3, {}, 30.0)
-        assert len(times) >= 1
+        assert probe(fleet.urls["push"], None, cfg, np.random.default_rng(1)).prefill_ms is not None  # serving
     finally:
         fleet.stop()
 

@@ -21,23 +21,23 @@ The probe is a check of the processes, not a measurement of the modes: its numbe
 
 from __future__ import annotations
 
-import json
 import statistics
-import time
-import urllib.request
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kvpush.bench.datasets import Sample
+from kvpush.bench.loadgen import LoadConfig, run_load_sync
+from kvpush.errors import KVPushError
+
 if TYPE_CHECKING:
     from kvpush.bench.suite import Fleet
-
-FORCE_HEADER = "X-KVPush-KV-Mode"
 
 
 @dataclass(frozen=True)
 class CalibrationConfig:
+    model: str  # the name the servers answer to (the checkpoint's path)
     requests: int = 3
     prompt_len: int = 256
     output_len: int = 48
@@ -53,36 +53,21 @@ class Probe:
     prefill_ms: float | None  # P's median admitted -> prefill done (disaggregated deployments)
 
 
-def stream_once(url: str, prompt: list[int], max_tokens: int, headers: dict[str, str],
-                timeout_s: float) -> tuple[list[float], dict[str, Any]]:
-    """One streamed greedy completion: the arrival time of every token chunk and the final kvpush_trace."""
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True, "stream": True}
-    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json", **headers})
-    times: list[float] = []
-    trace: dict[str, Any] = {}
-    with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-        for raw in resp:
-            line = raw.strip()
-            if not line.startswith(b"data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            for holder in [chunk, *(chunk.get("choices") or [])]:
-                if isinstance(holder, dict) and isinstance(holder.get("kvpush_trace"), dict):
-                    trace = holder["kvpush_trace"]
-            if any(c.get("text") for c in chunk.get("choices") or []):
-                times.append(time.perf_counter())
-    return times, trace
-
-
-def probe(url: str, headers: dict[str, str], cfg: CalibrationConfig, rng: np.random.Generator) -> Probe:
-    gaps: list[float] = []
-    prefills: list[float] = []
-    for _ in range(cfg.requests):
-        prompt = [int(t) for t in rng.integers(3, cfg.vocab_size, cfg.prompt_len)]  # fresh: no prefix hit
-        times, trace = stream_once(url, prompt, cfg.output_len, headers, cfg.timeout_s)
-        gaps += [(b - a) * 1e3 for a, b in zip(times, times[1:], strict=False)]
-        start, done = trace.get("p_admitted"), trace.get("p_prefill_done")
+def probe(url: str, route: str | None, cfg: CalibrationConfig, rng: np.random.Generator) -> Probe:
+    """cfg.requests sequential streamed requests through the load generator (route: the route an auto proxy
+    must take); raises KVPushError if one fails."""
+    samples = [Sample([int(t) for t in rng.integers(3, cfg.vocab_size, cfg.prompt_len)], cfg.prompt_len,
+                      cfg.output_len) for _ in range(cfg.requests)]  # fresh prompts: no prefix hit
+    load = LoadConfig(base_url=url, model=cfg.model, max_concurrency=1, ignore_eos=True, timeout_s=cfg.timeout_s,
+                      progress=False, kv_route=route)
+    records = run_load_sync(samples, load).records
+    for r in records:
+        if not r.success:
+            raise KVPushError(f"process check: a probe of {url} failed: {r.error}")
+    gaps = [g * 1e3 for r in records for g in r.itl_s]
+    prefills = []
+    for r in records:
+        start, done = (r.kvpush_trace or {}).get("p_admitted"), (r.kvpush_trace or {}).get("p_prefill_done")
         if isinstance(start, (int, float)) and isinstance(done, (int, float)):
             prefills.append((done - start) * 1e3)
     return Probe(statistics.median(gaps) if gaps else None, statistics.median(prefills) if prefills else None)
@@ -112,7 +97,7 @@ def calibrate(fleet: Fleet, cfg: CalibrationConfig, seed: int = 0) -> list[dict[
     targets = [m for m in fleet.urls if "@" not in m]
     rounds: list[dict[str, Any]] = []
     for attempt in range(cfg.tries + 1):
-        probes = {m: probe(fleet.urls[m], {FORCE_HEADER: "push"} if m == "auto" else {}, cfg, rng) for m in targets}
+        probes = {m: probe(fleet.urls[m], "push" if m == "auto" else None, cfg, rng) for m in targets}
         found = slow(probes, cfg.slow_ratio)
         restart = list(found) if attempt < cfg.tries else []
         rounds.append({"probes": {m: vars(p) for m, p in probes.items()}, "slow": found, "restarted": restart})

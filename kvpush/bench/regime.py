@@ -201,7 +201,7 @@ def map_link(cfg: MapConfig, link_name: str, link: Any, results: list[dict], sav
     log_dir = os.path.join(cfg.result_dir, "logs", link_name.replace(" ", "").replace("/", "_"))
     os.makedirs(log_dir, exist_ok=True)
     fleet = Fleet(base, log_dir, link).start()
-    probe = CalibrationConfig(prompt_len=min(256, grid["input_lens"][0]), vocab_size=base.vocab_size)
+    probe = CalibrationConfig(cfg.model, prompt_len=min(256, grid["input_lens"][0]), vocab_size=base.vocab_size)
     try:
         for input_len in grid["input_lens"]:
             for output_len in grid["output_lens"]:
