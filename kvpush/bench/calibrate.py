@@ -76,15 +76,14 @@ def probe(url: str, route: str | None, cfg: CalibrationConfig, rng: np.random.Ge
 def slow(probes: dict[str, Probe], ratio: float) -> dict[str, str]:
     """Deployment -> why it is slow (its step or P's prefill above ratio x the median of all)."""
     out: dict[str, str] = {}
-    steps = [p.step_ms for p in probes.values() if p.step_ms is not None]
-    judged = {m: p.prefill_ms for m, p in probes.items() if p.prefill_ms is not None and m != "push-layerwise"}
-    for name, values, judged_here in (("step", steps, {m: p.step_ms for m, p in probes.items()}),
-                                      ("prefill", list(judged.values()), judged)):
-        if len(values) < 2:
+    steps = {m: p.step_ms for m, p in probes.items() if p.step_ms is not None}
+    prefills = {m: p.prefill_ms for m, p in probes.items() if p.prefill_ms is not None and m != "push-layerwise"}
+    for name, judged in (("step", steps), ("prefill", prefills)):
+        if len(judged) < 2:
             continue
-        median = statistics.median(values)
-        for mode, v in judged_here.items():
-            if v is not None and v > ratio * median:
+        median = statistics.median(judged.values())
+        for mode, v in judged.items():
+            if v > ratio * median:
                 out[mode] = f"{name} {v:.2f} ms > {ratio:g} x median {median:.2f}"
     return out
 

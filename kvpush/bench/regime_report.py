@@ -12,6 +12,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from kvpush.bench.calibrate import CalibrationConfig
+
 
 def markers(grid: str) -> tuple[str, str]:
     """The README lines around one grid's generated section (each grid has its own)."""
@@ -168,7 +170,7 @@ def calibration_lines(doc: dict[str, Any]) -> list[str]:
                 for m, why in r["slow"].items() if m in r["restarted"]]
     kept = [f"{row}: {m}" for row, rounds in cal.items() for m in (rounds[-1]["slow"] if rounds else {})]
     return ["- **Process check** (every deployment probed before each row; one whose decode step or P's prefill "
-            "ran > 1.15x the median of the others restarted): "
+            f"ran > {CalibrationConfig.slow_ratio:g}x the median of the others restarted): "
             + ("; ".join(restarts) if restarts else "no restart")
             + (f"; still slow after its restarts, measured as it was: {'; '.join(kept)}" if kept else "") + "."]
 
