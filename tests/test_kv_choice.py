@@ -156,7 +156,7 @@ def test_queue_on_prefill_counts():
 
 def test_cheapest_remote_route_and_slow_pairs_are_learned():
     m = trained(rest_push=0.030, rest_pull=0.010)  # here pull's handover is the faster one
-    assert m.choose(decision(d_running=8)).route is Route.PULL
+    assert m.choose(decision(d_running=2)).route is Route.PULL
     slow = ("http://p2", "http://d")  # a pair behind a slow link: every remote route takes 300 ms more
     for _ in range(6):
         for route, rest in ((Route.PUSH, 0.330), (Route.PULL, 0.310)):
@@ -185,6 +185,34 @@ def test_route_fit_moves_every_route_with_the_load():
     # pull stays ~10 ms above push at the new load (its old samples decay towards the prior 4 ms)
     assert r(512, 8, "pull", pair) - r(512, 8, "push", pair) == pytest.approx(0.010, abs=4e-3)
     assert r(512, 8, "push-layerwise", pair) == pytest.approx(r(512, 8, "push", pair), abs=3e-3)  # never measured
+
+
+def test_route_fit_lets_pull_grow_faster_with_the_load_than_push():
+    """regime_full12b's shape: pull's rest 5.6 ms over push's on an idle D, rising 2.3 ms more per request
+    decoding there (it waits for D's steps to admit the request and post its READ). One load slope
+    shared by both would put pull a fixed ~10 ms over push: dearer than it is on an idle D, and
+    cheaper than it is on a busy one."""
+    r = RouteFit(("push", "pull"), {"pull": 0.004}, 0.004, 1e-5, load_priors={"pull": 0.002})
+    pair = ("p", "d")
+    for i in range(60):
+        load = i % 5
+        r.add(256, load, 0.0030 + 0.0011 * load, "push", pair)
+        r.add(256, load, 0.0086 + 0.0034 * load, "pull", pair)
+    assert r(256, 0, "pull", pair) - r(256, 0, "push", pair) == pytest.approx(0.0056, abs=1e-3)
+    assert r(256, 8, "pull", pair) - r(256, 8, "push", pair) == pytest.approx(0.0056 + 8 * 0.0023, abs=2e-3)
+
+
+def test_cost_model_leaves_pull_when_d_gets_busy():
+    """Pull measured cheaper than push on an idle D but growing faster with D's load: auto takes pull
+    while D is idle and push once D decodes several requests."""
+    m = CostModel()
+    for i in range(80):
+        load = i % 4
+        for route, rest in ((Route.PUSH, 0.010 + 0.001 * load), (Route.PULL, 0.007 + 0.004 * load)):
+            m.observe(Decision(route, 512, 0, 0, 0, 0, load, PAIR), Outcome(0.2 + rest, 0.2, None, 512, 0))
+    remote = (Route.PUSH, Route.PULL)
+    assert m.choose(Decision(Route.LOCAL, 512, 0, 0, 0, 0, 0, PAIR), remote).route is Route.PULL
+    assert m.choose(Decision(Route.LOCAL, 512, 0, 0, 0, 0, 6, PAIR), remote).route is Route.PUSH
 
 
 def test_route_fit_one_prompt_length_keeps_the_prior_slope():

@@ -31,9 +31,11 @@ Learned fits, from every finished request's trace (decayed least squares):
     local               D's api_received -> first token         vs tokens D computed (+ its queue)
     rest[route, P, D]   TTFT - P's part                       vs tokens moved (prompt - D's prefix):
                         and the requests decoding on D: one fit over every remote route,
-                        a + b x + g d_running + c[route] + k[route] x + e[P, D] (kv_fit.RouteFit), so
-                        that D's load moves every route's estimate at once and routes and pairs differ
-                        by what was measured of them
+                        a + b x + g d_running + c[route] + k[route] x + h[route] d_running + e[P, D]
+                        (kv_fit.RouteFit), so that D's load moves every route's estimate at once, routes
+                        and pairs differ by what was measured of them, and pull (whose D admits the
+                        request and posts its READ between its decode steps) can grow faster with D's
+                        load than push (prior: +2 ms per decoding request)
     (TTFT = proxy received -> D's leg sent on the proxy's clock + D's api_received -> first token on
     D's: no two clocks are subtracted from each other, so it holds across hosts.)
 Estimates and costs (seconds):
@@ -209,8 +211,11 @@ class CostModel:
         self.prefill = RouteFit(remote, {Route.PUSH_LAYERWISE.value: 0.0033}, 0.005, 0.0004, half_life=50.0,
                                 slope_priors={Route.PUSH_LAYERWISE.value: 6.3e-6})
         self.local = Line(0.005, 0.0004)
-        # Priors: push first (its handover is the shortest measured), layer-wise, then pull.
-        self.rest = RouteFit(remote, {Route.PUSH_LAYERWISE.value: 0.001, Route.PULL.value: 0.004}, 0.004, 1e-5)
+        # Priors: push first (its handover is the shortest measured), layer-wise, then pull; pull's grows
+        # faster with D's load (it waits for D's steps to admit the request and post its READ): in
+        # regime_full12b's auto runs its rest rose 3.4 ms per request decoding on D, push's 1.1 (ad hoc).
+        self.rest = RouteFit(remote, {Route.PUSH_LAYERWISE.value: 0.001, Route.PULL.value: 0.004}, 0.004, 1e-5,
+                             load_priors={Route.PULL.value: 0.002})
         self.decisions = 0
         self.samples: dict[Route, int] = {r: 0 for r in Route}
 

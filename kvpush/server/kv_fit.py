@@ -1,12 +1,12 @@
 """Online fits for --kv-mode auto's cost model (kv_choice.py): plain Python and numpy, no I/O.
 
     Line        y = a + b x, decayed least squares (prefill time vs tokens, and the like)
-    RouteFit    y = a + b x + g load + c[route] + k[route] xr + e[pair]: one decayed ridge least squares
-                over every route's samples, for P's prefill (x: P's queue + the request's tokens, xr:
-                its tokens, pair: P alone) and for the rest of a remote route's TTFT (x: tokens moved, load: the
-                requests decoding on D), so that a rising load raises every route's estimate, not
-                only the one measured under it, and c, k, e are the differences between routes and
-                pairs, measured side by side against a fixed baseline route
+    RouteFit    y = a + b x + g load + c[route] + k[route] xr + h[route] load + e[pair]: one decayed ridge
+                least squares over every route's samples, for P's prefill (x: P's queue + the request's
+                tokens, xr: its tokens, pair: P alone) and for the rest of a remote route's TTFT (x: tokens
+                moved, load: the requests decoding on D), so that a rising load raises every route's
+                estimate, not only the one measured under it, and c, k, h, e are the differences between
+                routes and pairs, measured side by side against a fixed baseline route
     LocalBudget a token bucket per D of the time its local prefills may take (auto's local route)
 """
 
@@ -17,6 +17,7 @@ import numpy as np
 RIDGE = 2.0
 PAIR_RIDGE = 0.1  # pairs differ by their links: barely pulled towards the first pair
 SLOPE_SCALE = 512.0  # tokens: the slope's prior weighs as much as RIDGE samples this far apart
+LOAD_SCALE = 4.0  # the same for a route's load slope: RIDGE samples this many requests apart
 
 
 class Line:
@@ -49,20 +50,24 @@ class Line:
 
 
 class RouteFit:
-    """y = a + b x + g load + c[route] + k[route] xr + e[pair]: one decayed ridge least squares over the
-    samples of every route, so that what all routes share (the line in x, the load) is learned from
-    all of them, and c, k are the differences between routes measured side by side. `routes[0]` is
-    the baseline (c = k = 0): a route seldom taken keeps its prior difference from it instead of
-    drifting with whichever route is taken most. xr (default x) is what the route's own effect grows
-    with (for P: the tokens P computes for this request, not its queue). Ridge: c, k pulled towards
-    their priors as strongly as RIDGE samples (k as RIDGE samples SLOPE_SCALE tokens long), e towards
-    the first pair only as PAIR_RIDGE samples would (pairs differ by their links). Before min_samples
-    samples it answers its priors."""
+    """y = a + b x + g load + c[route] + k[route] xr + h[route] load + e[pair]: one decayed ridge least
+    squares over the samples of every route, so that what all routes share (the line in x, the load)
+    is learned from all of them, and c, k, h are the differences between routes measured side by
+    side. `routes[0]` is the baseline (c = k = h = 0): a route seldom taken keeps its prior difference
+    from it instead of drifting with whichever route is taken most. xr (default x) is what the route's
+    own effect grows with (for P: the tokens P computes for this request, not its queue); h is how much
+    more the route grows with the load (pull's D admits the request and posts its READ between two of
+    its decode steps, push's D registered during the prefill: pull waits for D's steps more). Ridge:
+    c, k, h pulled towards their priors as strongly as RIDGE samples (k as RIDGE samples SLOPE_SCALE
+    tokens apart, h LOAD_SCALE requests apart), e towards the first pair only as PAIR_RIDGE samples
+    would (pairs differ by their links). Before min_samples samples it answers its priors."""
 
     def __init__(self, routes: tuple[str, ...], priors: dict[str, float], a0: float, b0: float,
-                 half_life: float = 30.0, min_samples: int = 4, slope_priors: dict[str, float] | None = None) -> None:
+                 half_life: float = 30.0, min_samples: int = 4, slope_priors: dict[str, float] | None = None,
+                 load_priors: dict[str, float] | None = None) -> None:
         self.routes, self.priors, self.a0, self.b0, self.min_samples = routes, priors, a0, b0, min_samples
         self.slope_priors = slope_priors or {}
+        self.load_priors = load_priors or {}
         self.decay = 0.5 ** (1.0 / half_life)
         self.pairs: list[tuple[str, str]] = []
         self.n = 0
@@ -76,15 +81,19 @@ class RouteFit:
         return 2 + len(self.routes)
 
     @property
-    def _pair0(self) -> int:  # first pair column
+    def _load0(self) -> int:  # first per-route load slope column
         return self._slope0 + len(self.routes) - 1
+
+    @property
+    def _pair0(self) -> int:  # first pair column
+        return self._load0 + len(self.routes) - 1
 
     def _features(self, x: float, load: float, route: str, pair: tuple[str, str], xr: float) -> np.ndarray:
         f = np.zeros(self._pair0 + max(len(self.pairs) - 1, 0))
         f[0], f[1], f[2] = 1.0, x, load
         if route != self.routes[0]:
             i = self.routes.index(route)
-            f[2 + i], f[self._slope0 + i - 1] = 1.0, xr / SLOPE_SCALE
+            f[2 + i], f[self._slope0 + i - 1], f[self._load0 + i - 1] = 1.0, xr / SLOPE_SCALE, load / LOAD_SCALE
         if pair in self.pairs[1:]:  # the first pair seen is the baseline (e = 0)
             f[self._pair0 + self.pairs.index(pair) - 1] = 1.0
         return f
@@ -121,6 +130,7 @@ class RouteFit:
             for i, r in enumerate(self.routes[1:]):
                 prior[3 + i] = self.priors.get(r, 0.0)
                 prior[self._slope0 + i] = self.slope_priors.get(r, 0.0) * SLOPE_SCALE
+                prior[self._load0 + i] = self.load_priors.get(r, 0.0) * LOAD_SCALE
             a = self.xtx + np.diag(ridge) + np.eye(k) * 1e-12
             coef = np.linalg.solve(a, self.xty + ridge * prior)
             if coef[1] < 0:  # more tokens never take less time: refit without the slope
@@ -137,7 +147,8 @@ class RouteFit:
     def __call__(self, x: float, load: float, route: str, pair: tuple[str, str], xr: float | None = None) -> float:
         xr = max(x if xr is None else xr, 0.0)
         if self.n < self.min_samples:
-            prior = self.priors.get(route, 0.0) + self.slope_priors.get(route, 0.0) * xr
+            prior = (self.priors.get(route, 0.0) + self.slope_priors.get(route, 0.0) * xr
+                     + self.load_priors.get(route, 0.0) * max(load, 0.0))
             return self.a0 + self.b0 * max(x, 0.0) + (0.0 if route == self.routes[0] else prior)
         coef = self._solve()
         f = self._features(max(x, 0.0), load, route, pair, xr)
