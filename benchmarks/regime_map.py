@@ -6,6 +6,8 @@
     sudo python benchmarks/regime_map.py --quick --link-gbps 0.25 --link-only   # only over the slow link
     python benchmarks/regime_map.py --mixed --result-dir kvpush-results/auto_mixed   # auto's target workload
     python benchmarks/regime_map.py --report-only --readme README.md   # regenerate the README section
+    python benchmarks/regime_map.py --confirm kvpush-results/regime_map --result-dir kvpush-results/confirm
+        # rerun the cells where auto vs the best fixed mode had a verdict, 2 more runs each, pooled
 
 Modes: colocated, pull, push, push-layerwise and auto (one deployment each, all up together; P and D
 pinned to separate halves of the cores). Grid: prompt length x output length x load (a fraction of
@@ -24,6 +26,7 @@ import sys
 from pathlib import Path
 
 from kvpush.bench.regime import FORCED, GRIDS, MODES, MapConfig, run_map
+from kvpush.bench.regime_confirm import confirm
 from kvpush.bench.regime_report import report
 from kvpush.config import default_model_dir
 from kvpush.demo import ensure_model
@@ -51,6 +54,10 @@ def main() -> None:
                     help="skip the probe that restarts a deployment started on a slow process (kvpush/bench/calibrate.py)")
     ap.add_argument("--auto-proxy-args", default="", help="extra `kvpush proxy` flags of the auto deployment, "
                                                           "e.g. \"--auto-stall-weight 2\" (one flag alone: --auto-proxy-args=--flag=value)")
+    ap.add_argument("--confirm", type=Path, default=None, metavar="SCREEN",
+                    help="rerun the cells of this map (its result dir or regime_map.json) where auto's TTFT p50 "
+                         "or p99 differed from the best fixed mode's beyond the interval, --repeats times (default "
+                         "2) per mode at the same rate, the verdicts recomputed over its runs and these pooled")
     ap.add_argument("--report-only", action="store_true", help="only regenerate the report from the JSON")
     ap.add_argument("--readme", type=Path, default=None, help="also rewrite this README's generated section")
     args = ap.parse_args()
@@ -61,7 +68,15 @@ def main() -> None:
     if args.link_gbps is not None and not args.link_gbps > 0:
         ap.error("--link-gbps must be positive")
     path = Path(args.result_dir) / "regime_map.json"
-    if not args.report_only:
+    if args.confirm is not None and not args.report_only:
+        screen = args.confirm / "regime_map.json" if args.confirm.is_dir() else args.confirm
+        if not screen.is_file():
+            ap.error(f"--confirm: no regime map at {screen}")
+        if screen.resolve() == path.resolve():
+            ap.error("--confirm writes its own map: give it another --result-dir than the screen's")
+        path = confirm(screen, args.repeats or 2, args.result_dir, not args.no_calibrate,
+                       shlex.join(["python", "benchmarks/regime_map.py", *sys.argv[1:]]))
+    elif not args.report_only:
         model = args.model or ensure_model(default_model_dir(), "bench")
         defaults = MapConfig(model=model)
         run_s, max_prompts = {"quick": (8.0, 40), "mixed": (30.0, 120)}.get(grid, (defaults.run_s,

@@ -71,6 +71,7 @@ class MapConfig:
     serve_args: list[str] = field(default_factory=lambda: ["--torch-threads", "1"])
     auto_proxy_args: list[str] = field(default_factory=list)  # e.g. ["--auto-stall-weight", "2"]
     calibrate: bool = True  # probe every deployment first and restart a slow process (bench/calibrate.py)
+    confirm_of: str = ""  # a confirmation run (bench/regime_confirm.py): the screen's regime_map.json
 
 
 @dataclass(frozen=True)
@@ -102,22 +103,34 @@ def _routes(url: str) -> dict[str, float]:
 
 
 def run_cell(cfg: MapConfig, suite: SuiteConfig, fleet: Fleet, cell: Cell, rate: float, index: int) -> dict[str, Any]:
-    """Every mode on the same prompts at `rate`, cfg.repeats times, in an order that rotates from
-    repeat to repeat and cell to cell (each repeat draws fresh prompts); requests pooled per mode."""
+    """Every mode on the same prompts at `rate`, cfg.repeats times; requests pooled per mode."""
+    return summarize(cell, rate, *cell_runs(cfg, suite, fleet, cell, rate, index))
+
+
+def run_seed(cfg: MapConfig, index: int, rep: int, mode: str) -> int:
+    """The prompt set (and arrival times) of the cell's `index`-th position, repeat `rep`, for `mode`."""
+    seed = cfg.seed + 1000 * index + rep
+    if mode in FORCED:  # other prompts: auto's deployment would serve the same ones from its prefix caches
+        seed += 100 * (1 + FORCED.index(mode))
+    return seed
+
+
+def cell_runs(cfg: MapConfig, suite: SuiteConfig, fleet: Fleet, cell: Cell, rate: float, index: int,
+              first_rep: int = 0) -> tuple[dict[str, list[dict]], dict[str, float]]:
+    """Repeats first_rep .. first_rep + cfg.repeats - 1 of the cell: every mode on the same prompts, in
+    an order that rotates from repeat to repeat and cell to cell (each repeat draws fresh prompts).
+    Returns each mode's run documents and the routes auto's proxy chose meanwhile."""
     modes = [m for m in cfg.modes if m in fleet.urls]
     runs: dict[str, list[dict]] = {m: [] for m in modes}
     routes = dict.fromkeys(ROUTES, 0.0)
-    for rep in range(cfg.repeats):
+    for rep in range(first_rep, first_rep + cfg.repeats):
         k = (index + rep) % len(modes)
         for mode in modes[k:] + modes[:k]:
-            seed = cfg.seed + 1000 * index + rep
-            if mode in FORCED:  # other prompts: auto's deployment would serve the same ones from its prefix caches
-                seed += 100 * (1 + FORCED.index(mode))
-            doc, moved = _run_mode(cfg, suite, fleet, cell, rate, mode, seed)
+            doc, moved = _run_mode(cfg, suite, fleet, cell, rate, mode, run_seed(cfg, index, rep, mode))
             runs[mode].append(doc)
             for r, n in moved.items():
                 routes[r] += n
-    return summarize(cell, rate, runs, routes)
+    return runs, routes
 
 
 def _run_mode(cfg: MapConfig, suite: SuiteConfig, fleet: Fleet, cell: Cell, rate: float, mode: str,
@@ -125,7 +138,7 @@ def _run_mode(cfg: MapConfig, suite: SuiteConfig, fleet: Fleet, cell: Cell, rate
     """One mode's run; for auto also the routes its proxy chose meanwhile."""
     args = bench_args(suite, fleet.urls[mode], mode, rate, seed)
     args.num_prompts = num_prompts(cfg, rate)
-    args.result_dir = os.path.join(cfg.result_dir, "runs", cell.link.replace(" ", "").replace("/", "_"))
+    args.result_dir = os.path.join(cfg.result_dir, "runs", link_dir(cell.link))
     if cell.prefix in ("sessions", "mixed"):
         args.dataset, args.session_turns, args.turn_len = cell.prefix, cfg.turns, cfg.turn_len
     if mode in FORCED:
@@ -190,25 +203,42 @@ def cells_for(cfg: MapConfig, link: str, input_len: int, output_len: int) -> lis
     return [Cell(link, input_len, output_len, load, prefix) for load in grid["loads"] for prefix in grid["prefixes"]]
 
 
+def start_fleet(cfg: MapConfig, link_name: str, link: Any) -> tuple[SuiteConfig, Fleet, CalibrationConfig]:
+    """Every deployment of cfg.modes up (over `link`, or none), logs under result_dir/logs/<link>; with
+    the suite settings they share and the process check's probe."""
+    base = SuiteConfig(model=cfg.model, modes=cfg.modes, serve_args=cfg.serve_args, pin=cfg.pin,
+                       auto_proxy_args=cfg.auto_proxy_args,
+                       capacity_prompts=cfg.capacity_prompts, result_dir=cfg.result_dir, seed=cfg.seed)
+    log_dir = os.path.join(cfg.result_dir, "logs", link_dir(link_name))
+    os.makedirs(log_dir, exist_ok=True)
+    fleet = Fleet(base, log_dir, link).start()
+    probe = CalibrationConfig(cfg.model, prompt_len=min(256, GRIDS[cfg.grid]["input_lens"][0]),
+                              vocab_size=base.vocab_size)
+    return base, fleet, probe
+
+
+def row_suite(base: SuiteConfig, input_len: int, output_len: int) -> SuiteConfig:
+    return SuiteConfig(**{**base.__dict__, "input_len": input_len, "output_len": output_len})
+
+
+def link_dir(link_name: str) -> str:
+    """The folder a link's runs and logs go to ("full", "0.25Gbit_s")."""
+    return link_name.replace(" ", "").replace("/", "_")
+
+
 def map_link(cfg: MapConfig, link_name: str, link: Any, results: list[dict], save: Callable[[], None],
              calibration: dict[str, list[dict]]) -> None:
     """Start the fleet (over `link`, or none), check its processes (calibration), then every cell of the
     grid on it."""
     grid = GRIDS[cfg.grid]
-    base = SuiteConfig(model=cfg.model, modes=cfg.modes, serve_args=cfg.serve_args, pin=cfg.pin,
-                       auto_proxy_args=cfg.auto_proxy_args,
-                       capacity_prompts=cfg.capacity_prompts, result_dir=cfg.result_dir, seed=cfg.seed)
-    log_dir = os.path.join(cfg.result_dir, "logs", link_name.replace(" ", "").replace("/", "_"))
-    os.makedirs(log_dir, exist_ok=True)
-    fleet = Fleet(base, log_dir, link).start()
-    probe = CalibrationConfig(cfg.model, prompt_len=min(256, grid["input_lens"][0]), vocab_size=base.vocab_size)
+    base, fleet, probe = start_fleet(cfg, link_name, link)
     try:
         for input_len in grid["input_lens"]:
             for output_len in grid["output_lens"]:
                 if cfg.calibrate:  # a process can also turn slow while it serves: checked again every row
                     calibration[f"{link_name} {input_len}/{output_len}"] = calibrate(fleet, probe, cfg.seed)
                     save()
-                suite = SuiteConfig(**{**base.__dict__, "input_len": input_len, "output_len": output_len})
+                suite = row_suite(base, input_len, output_len)
                 capacity = measure_capacity(suite, fleet)
                 print(f"[{link_name} {input_len}/{output_len}] capacity {capacity:.3f} req/s", flush=True)
                 for cell in cells_for(cfg, link_name, input_len, output_len):
@@ -219,6 +249,14 @@ def map_link(cfg: MapConfig, link_name: str, link: Any, results: list[dict], sav
                     save()
     finally:
         fleet.stop()
+
+
+def open_link(gbps: float) -> Any:
+    """P and D's rate-limited link (root only); the caller closes it."""
+    from kvpush.netlink import LinkConfig, RateLimitedLink, require_root
+
+    require_root()
+    return RateLimitedLink(LinkConfig(gbps=gbps)).start()
 
 
 def run_map(cfg: MapConfig) -> Path:
@@ -237,10 +275,7 @@ def run_map(cfg: MapConfig) -> Path:
     if cfg.full_link or cfg.link_gbps is None:
         map_link(cfg, "full", None, results, save, calibration)
     if cfg.link_gbps is not None:
-        from kvpush.netlink import LinkConfig, RateLimitedLink, require_root
-
-        require_root()
-        link = RateLimitedLink(LinkConfig(gbps=cfg.link_gbps)).start()
+        link = open_link(cfg.link_gbps)
         try:
             map_link(cfg, f"{cfg.link_gbps:g} Gbit/s", link, results, save, calibration)
         finally:

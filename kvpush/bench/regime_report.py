@@ -145,20 +145,51 @@ def section(doc: dict[str, Any], png: str | None) -> str:
     command = cfg.get("command") or "benchmarks/regime_map.py"
     minutes = doc.get("elapsed_s", 0) / 60
     begin, end = markers(section_name(cfg))
+    if cfg.get("confirm_of"):
+        what = (f"confirmation of `{cfg['confirm_of']}`: the {len(doc.get('flagged', doc['cells']))} cell(s) where "
+                "auto's TTFT p50 or p99 differed from the best fixed mode's beyond the interval, either way, "
+                f"run {cfg.get('repeats', 1)} more time(s) per mode at the screen's rate on fresh prompts, "
+                f"{minutes:.0f} min; every ratio below is over the screen's runs and these pooled, the runs resampled "
+                "as well as their requests, so the interval carries the drift between runs")
+        extra = ["", *confirm_table(doc)]
+    else:
+        what = (f"{cfg['grid']} grid, {len(doc['cells'])} cells, {minutes:.0f} min, "
+                f"{cfg.get('repeats', 1)} run(s) of {cfg['min_prompts']}-{cfg['max_prompts']} requests per mode and "
+                "cell, pooled, the order of the modes rotating")
+        extra = []
     return "\n".join([
         begin,
-        f"Generated from `{command}` ({cfg['grid']} grid, {len(doc['cells'])} cells, {minutes:.0f} min, "
-        f"{cfg.get('repeats', 1)} run(s) of {cfg['min_prompts']}-{cfg['max_prompts']} requests per mode and cell, "
-        "pooled, the order of the modes rotating; loads are fractions of the "
-        "slower of push and pull at full concurrency; 95% bootstrap intervals; **bold** = the interval excludes 1).",
+        f"Generated from `{command}` ({what}; loads are fractions of the slower of push and pull at full "
+        "concurrency; 95% bootstrap intervals; **bold** = the interval excludes 1).",
         "",
         findings(doc),
         *calibration_lines(doc),
+        *extra,
         "",
         *([f"![regime map]({png})", ""] if png else []),
         markdown(doc),
         end,
     ])
+
+
+def confirm_table(doc: dict[str, Any]) -> list[str]:
+    """Per confirmed cell: auto vs the best fixed mode (and push vs pull) in the screen and pooled."""
+    out = ["| cell | runs per mode | auto / best TTFT p50: screen -> pooled | auto / best TTFT p99: screen -> pooled "
+           "| push/pull TTFT p50: screen -> pooled |", "|---|---|---|---|---|"]
+    for c in doc["cells"]:
+        runs = sorted({m["runs"] for m in c["modes"].values()})
+        out.append(f"| {c['name']} | {'/'.join(map(str, runs))} | {_screen_and_pooled(c, 'auto_vs_best', 'ttft_p50')} | "
+                   f"{_screen_and_pooled(c, 'auto_vs_best', 'ttft_p99')} | {_screen_and_pooled(c, 'push_vs_pull', 'ttft_p50')} |")
+    return out
+
+
+def _screen_and_pooled(c: dict, group: str, key: str) -> str:
+    """`screen ratio -> pooled ratio`, and which mode was the best in each where that changed."""
+    screen = c.get("screen") or {}
+    old, new = _cell_ratio(screen, group, key), _cell_ratio(c, group, key)
+    names = [(g.get("best") or "") for g in (screen.get(group) or {}, c.get(group) or {})]
+    tag = f" (best: {names[0]} -> {names[1]})" if group == "auto_vs_best" and names[0] != names[1] else ""
+    return f"{_ratio_text(old)} -> {_ratio_text(new)}{tag}"
 
 
 def calibration_lines(doc: dict[str, Any]) -> list[str]:
@@ -209,4 +240,5 @@ def report(path: Path, readme: Path | None = None, image: Path | None = None) ->
 
 def section_name(config: dict) -> str:
     """The README section of a map: its grid, and `-link` for a map of the rate-limited link alone."""
-    return config["grid"] if config.get("full_link", True) else f"{config['grid']}-link"
+    name = config["grid"] if config.get("full_link", True) else f"{config['grid']}-link"
+    return f"{name}-confirm" if config.get("confirm_of") else name

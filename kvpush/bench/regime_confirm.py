@@ -1,0 +1,132 @@
+"""Confirming the regime map: the cells where auto's TTFT p50 or p99 came out different from the best
+fixed mode's beyond the interval (worse or better), run again.
+
+Why: a full-grid cell runs each mode once (12-40 requests) and its interval resamples those requests,
+so whatever moved a whole run - the machine's load in that minute (+-15% here from one minute to the
+next), a process running slow - reads as a difference between the modes. The confirmation runs each
+flagged cell `repeats` more times at the screen's rate, on fresh prompt sets (the repeats after the
+screen's), the order of the modes rotating, and recomputes every ratio over the screen's runs and the
+new ones pooled, with the clustered bootstrap (runs resampled, then requests within them): its
+interval carries the drift between runs. Cells flagged either way are rerun, so that the confirmation
+cannot only take verdicts away from one side; the screen's verdicts stay next to the pooled ones.
+
+    LOADED (the screen's regime_map.json; its run documents, found by mode and prompt seed) -> FLAGGED
+    -> per link: STARTED (every deployment), CALIBRATED (the process check) -> per flagged cell:
+    RUN (repeats x every mode) -> POOLED (the summary over the screen's and the new runs) -> STOPPED
+    (every process, also on error or Ctrl-C)
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, fields, replace
+from pathlib import Path
+from typing import Any
+
+from kvpush.bench import cli as bench_cli
+from kvpush.bench.calibrate import calibrate
+from kvpush.bench.regime import (
+    ROUTES,
+    Cell,
+    MapConfig,
+    cell_runs,
+    link_dir,
+    open_link,
+    row_suite,
+    run_seed,
+    start_fleet,
+    summarize,
+)
+
+JUDGED = ("ttft_p50", "ttft_p99")  # auto vs the best fixed mode: the map's target metrics
+
+
+def flagged(cells: list[dict]) -> list[int]:
+    """Indices of the cells whose auto vs best-fixed TTFT p50 or p99 has a verdict (either way)."""
+    def judged(c: dict, key: str) -> bool:
+        r = (c.get("auto_vs_best") or {}).get(key)
+        return isinstance(r, dict) and r.get("verdict") != "cannot tell"
+
+    return [i for i, c in enumerate(cells) if any(judged(c, k) for k in JUDGED)]
+
+
+def screen_config(doc: dict, **changes: Any) -> MapConfig:
+    """The screen's MapConfig (keys it does not know dropped), with `changes`."""
+    known = {f.name for f in fields(MapConfig)}
+    kept: dict[str, Any] = {k: v for k, v in doc["config"].items() if k in known}
+    kept["modes"] = tuple(kept.get("modes", MapConfig.modes))
+    return replace(MapConfig(**kept), **changes)
+
+
+class ScreenRuns:
+    """The screen's run documents of one link folder, by (mode, prompt seed)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.docs: dict[tuple[str, int], dict] = {}
+        for path in sorted(folder.glob("*.json")):
+            doc = json.loads(path.read_text())
+            seed = (doc.get("run") or {}).get("sample_seed")
+            mode = (doc.get("config") or {}).get("mode")
+            if isinstance(seed, int) and isinstance(mode, str):
+                self.docs[(mode, seed)] = doc
+
+    def of_cell(self, cfg: MapConfig, index: int, modes: list[str], repeats: int) -> dict[str, list[dict]]:
+        """Each mode's runs of the screen's cell `index` (repeats 0 .. repeats - 1 that are there)."""
+        found = {m: [self.docs.get((m, run_seed(cfg, index, rep, m))) for rep in range(repeats)] for m in modes}
+        return {m: [d for d in docs if d is not None] for m, docs in found.items()}
+
+
+def confirm(screen: Path, repeats: int, result_dir: str, calibrate_first: bool = True, command: str = "") -> Path:
+    """Rerun the screen's flagged cells (see the module docstring); writes result_dir/regime_map.json
+    (updated after every cell, the pooled summaries with the screen's verdicts under "screen")."""
+    doc = json.loads(screen.read_text())
+    screen_repeats = int(doc["config"].get("repeats", 1))
+    cfg = screen_config(doc, repeats=repeats, result_dir=result_dir, calibrate=calibrate_first, command=command,
+                        confirm_of=str(screen))
+    todo = flagged(doc["cells"])
+    out = Path(result_dir) / "regime_map.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    results: list[dict] = []
+    calibration: dict[str, list[dict]] = {}
+    started = time.time()
+
+    def save() -> None:
+        out.write_text(json.dumps({"config": {**doc["config"], **asdict(cfg)}, "environment": bench_cli.environment(),
+                                   "elapsed_s": time.time() - started, "flagged": todo,
+                                   "calibration": calibration, "cells": results}, indent=1))
+
+    for link_name in dict.fromkeys(doc["cells"][i]["cell"]["link"] for i in todo):
+        cells = [i for i in todo if doc["cells"][i]["cell"]["link"] == link_name]
+        old = ScreenRuns(screen.parent / "runs" / link_dir(link_name))
+        link = None if link_name == "full" or cfg.link_gbps is None else open_link(cfg.link_gbps)
+        try:
+            base, fleet, probe = start_fleet(cfg, link_name, link)
+            try:
+                if cfg.calibrate:
+                    calibration[link_name] = calibrate(fleet, probe, cfg.seed)
+                    save()
+                for i in cells:
+                    results.append(_confirm_cell(cfg, doc["cells"][i], i, base, fleet, old, screen_repeats))
+                    save()
+            finally:
+                fleet.stop()
+        finally:
+            if link is not None:
+                link.close()
+    save()
+    return out
+
+
+def _confirm_cell(cfg: MapConfig, screen_cell: dict, index: int, base: Any, fleet: Any, old: ScreenRuns,
+                  screen_repeats: int) -> dict[str, Any]:
+    cell, rate = Cell(**screen_cell["cell"]), float(screen_cell["rate"])
+    runs, routes = cell_runs(cfg, row_suite(base, cell.input_len, cell.output_len), fleet, cell, rate, index,
+                             first_rep=screen_repeats)
+    before = old.of_cell(cfg, index, list(runs), screen_repeats)
+    pooled = {m: before.get(m, []) + new for m, new in runs.items()}
+    moved = {r: routes.get(r, 0.0) + float((screen_cell.get("routes") or {}).get(r, 0.0)) for r in ROUTES}
+    summary = summarize(cell, rate, pooled, moved)
+    summary.update(index=index, capacity=screen_cell.get("capacity"),
+                   screen={k: screen_cell.get(k) for k in ("modes", "push_vs_pull", "auto_vs_best")})
+    return summary
