@@ -8,7 +8,7 @@ import pytest
 from kvpush.server.kv_choice import (
     EXPLORE_EVERY,
     EXPLORE_EVERY_LATER,
-    WELL_MEASURED,
+    STALE_AFTER,
     AutoRouter,
     CostModel,
     Decision,
@@ -223,15 +223,22 @@ def test_route_fit_one_prompt_length_keeps_the_prior_slope():
     assert r(1024, 0, "push", ("p", "d")) == pytest.approx(0.02 + 512e-5, abs=1e-3)
 
 
-def test_every_nth_decision_explores_the_least_measured_route():
+def test_every_nth_decision_explores_the_least_measured_then_the_least_recently_taken_route():
     m = trained()
     m.samples[Route.PUSH_LAYERWISE] = 0
     routes = [m.choose(decision(d_running=4)).route for _ in range(EXPLORE_EVERY * 3)]
     assert routes.count(Route.PUSH_LAYERWISE) == 3 and routes.count(Route.PUSH) == EXPLORE_EVERY * 3 - 3
-    m.samples = {**dict.fromkeys(Route, 50), Route.PULL: WELL_MEASURED}  # all measured: explore far less often
+    m.samples = dict.fromkeys(Route, 50)  # all measured, all taken lately: explore far less often
     m.decisions = 0
-    routes = [m.choose(decision(d_running=4)).route for _ in range(EXPLORE_EVERY_LATER * 2)]
-    assert routes.count(Route.PULL) == 2 and routes.count(Route.PUSH) == EXPLORE_EVERY_LATER * 2 - 2
+    m.taken_at = {Route.PUSH: 0, Route.PULL: -40, Route.PUSH_LAYERWISE: -10, Route.LOCAL: -20}
+    routes = [m.choose(decision(d_running=4)).route for _ in range(EXPLORE_EVERY_LATER)]
+    assert routes.count(Route.PULL) == 1 and routes.count(Route.PUSH) == EXPLORE_EVERY_LATER - 1  # taken longest ago
+    # local and push-layerwise go stale (STALE_AFTER decisions untaken): explored every EXPLORE_EVERY-th
+    # decision until each was taken again, then pull at the next EXPLORE_EVERY_LATER-th
+    assert STALE_AFTER == 150
+    routes = [m.choose(decision(d_running=4)).route for _ in range(EXPLORE_EVERY_LATER)]
+    explored = [(i + EXPLORE_EVERY_LATER + 1, r) for i, r in enumerate(routes) if r is not Route.PUSH]
+    assert explored == [(140, Route.LOCAL), (160, Route.PUSH_LAYERWISE), (200, Route.PULL)]
 
 
 def test_forced_and_local_only_choices():

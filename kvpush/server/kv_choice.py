@@ -53,8 +53,16 @@ Estimates and costs (seconds):
                charged each local dispatch's estimate), which bounds what local prefills add to the
                TPOT of D's decoding requests
 Every EXPLORE_EVERY-th decision (every EXPLORE_EVERY_LATER-th once each route has WELL_MEASURED
-samples) takes the route with the fewest samples instead, so that a route that looks worse at first
-is still measured and the lines follow the load; a route the client named is never overridden.
+samples and none has gone STALE_AFTER decisions without being taken) takes another route instead:
+the one with the fewest samples while some route has fewer than WELL_MEASURED, else the one taken
+least recently. So a route that looks worse at first is still measured, the lines follow the load,
+and no route goes unmeasured for much longer than STALE_AFTER decisions: the fits' picture of a
+route no longer taken rests on a fresh sample, not only on samples decayed from another time (the
+old rule explored the route with the fewest samples, so a route with many never came back by
+exploring: in regime_full13 a test run beside the map slowed one cell, auto's push requests there
+took 1.8x fixed push's TTFT, and auto then sent none by push for 7 cells, ~220 decisions, where push
+was the best fixed mode in 6; what brings such a route back is mostly its slow samples decaying
+out of the fits, which a fresh sample speeds up). A route the client named is never overridden.
 Not used: descriptor count (pull's READ cost grows with fragmented KV; on one host it stayed small).
 """
 
@@ -74,6 +82,7 @@ TRACKER_UNITS = 65536  # prefix chunks remembered per instance
 EXPLORE_EVERY = 20  # while some route has fewer than WELL_MEASURED samples
 EXPLORE_EVERY_LATER = 100
 WELL_MEASURED = 8
+STALE_AFTER = 150  # decisions: by then a route's samples weigh <= 1/8 in the fits (half-lives 30, 50)
 PRIOR_TOKENS_PER_CHAR = 0.25
 
 
@@ -218,6 +227,7 @@ class CostModel:
                              load_priors={Route.PULL.value: 0.002})
         self.decisions = 0
         self.samples: dict[Route, int] = {r: 0 for r in Route}
+        self.taken_at: dict[Route, int] = {r: 0 for r in Route}  # the decision that last took the route
 
     # ---- estimating ----------------------------------------------------------------------
     def tokens(self, key: PromptKey) -> float:
@@ -282,14 +292,24 @@ class CostModel:
         d.p_parts_s = {}
         d.estimates_s = {r.value: self.estimate(r, d) for r in allowed}
         self.decisions += 1
-        least = min(self.samples[r] for r in allowed)
-        every = EXPLORE_EVERY if least < WELL_MEASURED else EXPLORE_EVERY_LATER
         d.costs_s = {r.value: self.cost(r, d) for r in allowed}
-        if len(allowed) > 1 and self.decisions % every == 0:
-            d.route = min(allowed, key=lambda r: (self.samples[r], d.costs_s[r.value]))
-        else:
-            d.route = min(allowed, key=lambda r: d.costs_s[r.value])
+        explore = self.to_explore(allowed, d.costs_s)
+        d.route = explore or min(allowed, key=lambda r: d.costs_s[r.value])
+        self.taken_at[d.route] = self.decisions
         return d
+
+    def to_explore(self, allowed: tuple[Route, ...], costs: dict[str, float]) -> Route | None:
+        """The route this decision explores, or None (see the module docstring); ties go to the cheaper."""
+        if len(allowed) < 2:
+            return None
+        least = min(self.samples[r] for r in allowed)
+        stale = self.decisions - min(self.taken_at[r] for r in allowed) > STALE_AFTER
+        every = EXPLORE_EVERY if least < WELL_MEASURED or stale else EXPLORE_EVERY_LATER
+        if self.decisions % every:
+            return None
+        if least < WELL_MEASURED:
+            return min(allowed, key=lambda r: (self.samples[r], costs[r.value]))
+        return min(allowed, key=lambda r: (self.taken_at[r], self.samples[r], costs[r.value]))
 
     # ---- learning ------------------------------------------------------------------------
     def observe(self, d: Decision, out: Outcome) -> float | None:
