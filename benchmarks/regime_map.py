@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 
 from kvpush.bench.regime import FORCED, GRIDS, MODES, MapConfig, run_map
-from kvpush.bench.regime_confirm import confirm
+from kvpush.bench.regime_confirm import ConfirmError, confirm
 from kvpush.bench.regime_report import report
 from kvpush.config import default_model_dir
 from kvpush.demo import ensure_model
@@ -57,7 +57,8 @@ def main() -> None:
     ap.add_argument("--confirm", type=Path, default=None, metavar="SCREEN",
                     help="rerun the cells of this map (its result dir or regime_map.json) where auto's TTFT p50 "
                          "or p99 differed from the best fixed mode's beyond the interval, --repeats times (default "
-                         "2) per mode at the same rate, the verdicts recomputed over its runs and these pooled")
+                         "2) per mode at the same rate, the verdicts recomputed over its runs and these pooled "
+                         "(the screen's settings apply: only --repeats, --result-dir and --no-calibrate are used)")
     ap.add_argument("--report-only", action="store_true", help="only regenerate the report from the JSON")
     ap.add_argument("--readme", type=Path, default=None, help="also rewrite this README's generated section")
     args = ap.parse_args()
@@ -74,8 +75,13 @@ def main() -> None:
             ap.error(f"--confirm: no regime map at {screen}")
         if screen.resolve() == path.resolve():
             ap.error("--confirm writes its own map: give it another --result-dir than the screen's")
-        path = confirm(screen, args.repeats or 2, args.result_dir, not args.no_calibrate,
-                       shlex.join(["python", "benchmarks/regime_map.py", *sys.argv[1:]]))
+        if args.repeats is not None and not 1 <= args.repeats <= 50:
+            ap.error("--repeats must be 1-50")
+        try:
+            path = confirm(screen, args.repeats or 2, args.result_dir, not args.no_calibrate,
+                           shlex.join(["python", "benchmarks/regime_map.py", *sys.argv[1:]]))
+        except ConfirmError as exc:
+            ap.error(f"--confirm: {exc}")
     elif not args.report_only:
         model = args.model or ensure_model(default_model_dir(), "bench")
         defaults = MapConfig(model=model)

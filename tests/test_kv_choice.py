@@ -155,8 +155,10 @@ def test_queue_on_prefill_counts():
 
 
 def test_cheapest_remote_route_and_slow_pairs_are_learned():
-    m = trained(rest_push=0.030, rest_pull=0.010)  # here pull's handover is the faster one
+    m = trained(rest_push=0.030, rest_pull=0.010)  # here pull's handover is the faster one, on an idle D
     assert m.choose(decision(d_running=2)).route is Route.PULL
+    busy = m.choose(decision(d_running=12))  # unmeasured there: pull's prior load slope (+2 ms a request) counts
+    assert busy.route is Route.PUSH, busy.estimates_s
     slow = ("http://p2", "http://d")  # a pair behind a slow link: every remote route takes 300 ms more
     for _ in range(6):
         for route, rest in ((Route.PUSH, 0.330), (Route.PULL, 0.310)):

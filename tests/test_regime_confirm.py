@@ -13,7 +13,7 @@ import pytest
 
 from kvpush.bench import regime_confirm
 from kvpush.bench.regime import FIXED, Cell, MapConfig, run_seed, summarize
-from kvpush.bench.regime_confirm import ScreenRuns, confirm, flagged
+from kvpush.bench.regime_confirm import ConfirmError, ScreenRuns, confirm, flagged
 from kvpush.bench.regime_report import report
 from kvpush.bench.suite import SuiteConfig
 
@@ -21,12 +21,18 @@ CELL = Cell("full", 512, 32, 0.5, "none")
 MODES = ("pull", "push", "push-layerwise", "auto")
 
 
-def run_doc(mode: str, seed: int, ttfts_ms: list[float]) -> dict:
-    """A run document as bench/cli.py writes it: its mode, prompt seed and workload, its requests."""
+def run_doc(mode: str, seed: int, ttfts_ms: list[float], rate: float = 1.5) -> dict:
+    """A run document as bench/cli.py writes it: its mode, rate, prompt seed and workload, its requests."""
     reqs = [{"index": i, "success": True, "ttft_s": t / 1e3, "e2el_s": t / 1e3 + 0.08, "output_tokens": 9}
             for i, t in enumerate(ttfts_ms)]
-    return {"config": {"mode": mode, "dataset": "random", "input_len": CELL.input_len, "output_len": CELL.output_len},
+    return {"config": {"mode": mode, "dataset": "random", "input_len": CELL.input_len, "output_len": CELL.output_len,
+                       "request_rate": rate},
             "run": {"sample_seed": seed}, "metrics": {"completed": len(reqs), "failed": 0}, "requests": reqs}
+
+
+def screen_cell(modes: tuple[str, ...], runs: int = 1) -> dict:
+    """What the screen's summary says of CELL: its rate and each mode's number of runs."""
+    return {"name": CELL.name, "cell": asdict(CELL), "rate": 1.5, "modes": {m: {"runs": runs} for m in modes}}
 
 
 def ttfts(center: float, n: int = 30) -> list[float]:
@@ -44,19 +50,26 @@ def test_cells_with_a_verdict_either_way_are_rerun():
     assert flagged(cells) == [1, 2, 4]
 
 
-def test_the_screens_runs_of_a_cell_are_found_by_mode_and_prompt_seed(tmp_path: Path):
+def test_the_screens_runs_of_a_cell_are_found_by_mode_prompt_seed_and_rate(tmp_path: Path):
     cfg = MapConfig(model="m", seed=0)
+    modes = (*MODES, "auto@push")
     folder = tmp_path / "runs" / "full"
     folder.mkdir(parents=True)
     for index in (3, 4):
-        for mode in (*MODES, "auto@push"):
+        for mode in modes:
             doc = run_doc(mode, run_seed(cfg, index, 0, mode), ttfts(100 + index))
             (folder / f"{mode}-{index}.json").write_text(json.dumps(doc))
-    found = ScreenRuns(folder).of_cell(cfg, 3, [*MODES, "auto@push"], repeats=1)
-    assert set(found) == {*MODES, "auto@push"} and all(len(v) == 1 for v in found.values())
+    old = run_doc("push", run_seed(cfg, 3, 0, "push"), ttfts(500), rate=0.7)  # an older map's run in the folder
+    (folder / "push-old.json").write_text(json.dumps(old))
+    found = ScreenRuns(folder).of_cell(cfg, 3, screen_cell(modes), list(modes), repeats=1)
+    assert set(found) == set(modes) and all(len(v) == 1 for v in found.values())
     assert all(d["requests"][0]["ttft_s"] == pytest.approx(0.103 * 0.95) for v in found.values() for d in v)
     assert run_seed(cfg, 3, 0, "auto@push") != run_seed(cfg, 3, 0, "push")  # forced routes: their own prompts
-    assert ScreenRuns(folder).of_cell(cfg, 5, list(MODES), repeats=1) == {m: [] for m in MODES}
+    with pytest.raises(ConfirmError, match="found 0 run"):  # a cell whose runs are not there
+        ScreenRuns(folder).of_cell(cfg, 5, screen_cell(modes), list(modes), repeats=1)
+    (folder / "push-again.json").write_text(json.dumps(run_doc("push", run_seed(cfg, 3, 0, "push"), ttfts(90))))
+    with pytest.raises(ConfirmError, match="2 runs of push"):  # two runs of the same prompts and rate
+        ScreenRuns(folder).of_cell(cfg, 3, screen_cell(modes), list(modes), repeats=1)
 
 
 def test_confirmation_pools_its_runs_with_the_screens_and_reports_both(tmp_path: Path,
@@ -110,3 +123,5 @@ def test_confirmation_pools_its_runs_with_the_screens_and_reports_both(tmp_path:
     text = report(out)
     assert "regime-map:quick-confirm:begin" in text and "confirmation of" in text
     assert "**push better** -> 1.05" in text  # the screen's verdict, then the pooled ratio
+    with pytest.raises(ConfirmError, match="is a confirmation itself"):
+        confirm(out, 1, str(tmp_path / "again"))

@@ -149,8 +149,10 @@ def section(doc: dict[str, Any], png: str | None) -> str:
         what = (f"confirmation of `{cfg['confirm_of']}`: the {len(doc.get('flagged', doc['cells']))} cell(s) where "
                 "auto's TTFT p50 or p99 differed from the best fixed mode's beyond the interval, either way, "
                 f"run {cfg.get('repeats', 1)} more time(s) per mode at the screen's rate on fresh prompts, "
-                f"{minutes:.0f} min; every ratio below is over the screen's runs and these pooled, the runs resampled "
-                "as well as their requests, so the interval carries the drift between runs")
+                f"{minutes:.0f} min, on deployments of its own (auto's cost model starting cold); every ratio below is "
+                "over the screen's runs and these pooled, the paired ones resampling runs as well as their "
+                "requests, so that their interval carries the drift between runs and a verdict needs the runs "
+                "to agree")
         extra = ["", *confirm_table(doc)]
     else:
         what = (f"{cfg['grid']} grid, {len(doc['cells'])} cells, {minutes:.0f} min, "

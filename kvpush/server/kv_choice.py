@@ -26,8 +26,8 @@ Learned fits, from every finished request's trace (decayed least squares):
                         the baseline, so that a route seldom taken keeps its difference from push (pulled
                         towards its prior as strongly as 2 samples would; prior, measured on this machine:
                         push-layerwise +3.3 ms + 6.3 us per token, pull as push) instead of drifting with
-                        whichever route is taken most. A route measured only by exploring (every 100th
-                        request) stays about two-thirds prior: on other hardware the prior matters
+                        whichever route is taken most. A route measured only by exploring (about
+                        once in 100-160 decisions) stays mostly prior: on other hardware the prior matters
     local               D's api_received -> first token         vs tokens D computed (+ its queue)
     rest[route, P, D]   TTFT - P's part                       vs tokens moved (prompt - D's prefix):
                         and the requests decoding on D: one fit over every remote route,
@@ -55,14 +55,17 @@ Estimates and costs (seconds):
 Every EXPLORE_EVERY-th decision (every EXPLORE_EVERY_LATER-th once each route has WELL_MEASURED
 samples and none has gone STALE_AFTER decisions without being taken) takes another route instead:
 the one with the fewest samples while some route has fewer than WELL_MEASURED, else the one taken
-least recently. So a route that looks worse at first is still measured, the lines follow the load,
-and no route goes unmeasured for much longer than STALE_AFTER decisions: the fits' picture of a
-route no longer taken rests on a fresh sample, not only on samples decayed from another time (the
-old rule explored the route with the fewest samples, so a route with many never came back by
-exploring: in regime_full13 a test run beside the map slowed one cell, auto's push requests there
-took 1.8x fixed push's TTFT, and auto then sent none by push for 7 cells, ~220 decisions, where push
-was the best fixed mode in 6; what brings such a route back is mostly its slow samples decaying
-out of the fits, which a fresh sample speeds up). A route the client named is never overridden.
+least recently (taken = dispatched by it: chosen, explored or named by the client). So a route that
+looks worse at first is still measured, the lines follow the load, and no route allowed goes much
+longer than STALE_AFTER decisions without a request, so the fits' picture of a route no longer taken
+gets a fresh sample instead of resting only on samples decayed from another time. With one route
+winning, each of the others is explored about once in 160 decisions (~2% of decisions for three,
+where the old rule, the route with the fewest samples, explored ~1% and never a route with many:
+in regime_full13 a test run beside the map slowed one cell, auto's push requests there took 1.8x
+fixed push's TTFT, and auto then sent none by push for 7 cells, ~220 decisions, where push was the
+best fixed mode in 6; what brings such a route back is mostly its slow samples decaying out of the
+fits, which a fresh sample speeds up). Exploring local charges no stall: it happens only where local
+is allowed (local_allowed, D's budget), at most as often as the other explorations. A route the client named is never overridden.
 Not used: descriptor count (pull's READ cost grows with fragmented KV; on one host it stayed small).
 """
 
@@ -70,19 +73,17 @@ from __future__ import annotations
 
 import math
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
 from kvpush.server.kv_fit import Line, LocalBudget, RouteFit
+from kvpush.server.kv_prefix import CHARS_PER_UNIT, PrefixTracker, PromptKey
 
-CHARS_PER_UNIT = 64  # prefix tracking granularity of text prompts
-TRACKER_UNITS = 65536  # prefix chunks remembered per instance
 EXPLORE_EVERY = 20  # while some route has fewer than WELL_MEASURED samples
 EXPLORE_EVERY_LATER = 100
 WELL_MEASURED = 8
-STALE_AFTER = 150  # decisions: by then a route's samples weigh <= 1/8 in the fits (half-lives 30, 50)
+STALE_AFTER = 150  # decisions: ~3-5 half-lives of the remote fits (30, 50 answers) while requests keep coming
 PRIOR_TOKENS_PER_CHAR = 0.25
 
 
@@ -95,74 +96,6 @@ class Route(StrEnum):
     @property
     def remote(self) -> bool:
         return self is not Route.LOCAL
-
-
-@dataclass(frozen=True)
-class PromptKey:
-    """A prompt as prefix chunks: `units` chained hashes (one per chunk), `unit_tokens` tokens per
-    chunk (exact for token ids; None for text: chars_per_unit characters each)."""
-
-    hashes: tuple[int, ...]
-    unit_tokens: int | None
-    chars: int
-    exact_tokens: int | None
-
-    @classmethod
-    def of(cls, body: dict, block_size: int) -> PromptKey:
-        prompt = body.get("prompt") if "messages" not in body else None
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]  # one prompt in a list (several are split by the proxy before this)
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-            units = [repr(prompt[i : i + block_size]) for i in range(0, len(prompt) - block_size + 1, block_size)]
-            return cls(_chain(units), block_size, 0, len(prompt))
-        text = prompt if isinstance(prompt, str) else _messages_text(body.get("messages"))
-        units = [text[i : i + CHARS_PER_UNIT] for i in range(0, len(text) - CHARS_PER_UNIT + 1, CHARS_PER_UNIT)]
-        return cls(_chain(units), None, len(text), None)
-
-
-def _chain(units: list[str]) -> tuple[int, ...]:
-    """Chained hashes: the i-th names the whole prefix up to chunk i (this process only)."""
-    out, h = [], 0
-    for u in units:
-        h = hash((h, u))
-        out.append(h)
-    return tuple(out)
-
-
-def _messages_text(messages: object) -> str:
-    """Chat messages as one string whose prefixes are shared by the turns of one conversation."""
-    if not isinstance(messages, list):
-        return ""
-    parts = []
-    for m in messages:
-        if isinstance(m, dict):
-            content = m.get("content")
-            parts.append(f"<{m.get('role')}>{content if isinstance(content, str) else repr(content)}")
-    return "".join(parts)
-
-
-class PrefixTracker:
-    """The prompt prefixes an instance was sent, as chained chunk hashes, least recently used out."""
-
-    def __init__(self, capacity: int = TRACKER_UNITS) -> None:
-        self.capacity = capacity
-        self.units: OrderedDict[int, None] = OrderedDict()
-
-    def matched(self, key: PromptKey) -> int:
-        """How many leading chunks of the prompt the instance was sent before."""
-        n = 0
-        for h in key.hashes:
-            if h not in self.units:
-                break
-            n += 1
-        return n
-
-    def record(self, key: PromptKey) -> None:
-        for h in key.hashes:
-            self.units[h] = None
-            self.units.move_to_end(h)
-        while len(self.units) > self.capacity:
-            self.units.popitem(last=False)
 
 
 @dataclass
