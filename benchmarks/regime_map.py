@@ -43,6 +43,8 @@ def main() -> None:
                          "best of them compares routing on the same processes")
     ap.add_argument("--link-gbps", type=float, default=None, help="also map over a rate-limited link (root)")
     ap.add_argument("--link-only", action="store_true", help="with --link-gbps: only over the rate-limited link")
+    ap.add_argument("--rows", nargs="+", default=[], metavar="IN/OUT",
+                    help="only these rows of the grid (prompt/output length, e.g. 2048/256)")
     ap.add_argument("--run-s", type=float, default=None, help="seconds of load per mode and cell")
     ap.add_argument("--repeats", type=int, default=None,
                     help="runs per mode and cell, the order rotating, pooled (default: 2; full grid 1)")
@@ -64,6 +66,9 @@ def main() -> None:
     args = ap.parse_args()
     grid = "mixed" if args.mixed else "quick" if args.quick else "full"
     assert grid in GRIDS
+    rows = [f"{i}/{o}" for i in GRIDS[grid]["input_lens"] for o in GRIDS[grid]["output_lens"]]
+    if any(r not in rows for r in args.rows):
+        ap.error(f"--rows: the {grid} grid's rows are {' '.join(rows)}")
     if args.link_only and args.link_gbps is None:
         ap.error("--link-only needs --link-gbps")
     if args.link_gbps is not None and not args.link_gbps > 0:
@@ -94,7 +99,7 @@ def main() -> None:
                         max_prompts=args.max_prompts or max_prompts,
                         result_dir=args.result_dir, pin=not args.no_pin, auto_proxy_args=shlex.split(args.auto_proxy_args),
                         calibrate=not args.no_calibrate,
-                        repeats=args.repeats or (1 if grid == "full" else 2),
+                        repeats=args.repeats or (1 if grid == "full" else 2), rows=tuple(args.rows),
                         command=shlex.join(["python", "benchmarks/regime_map.py", *sys.argv[1:]]))
         path = run_map(cfg)
     print(report(path, args.readme, Path("docs/img/regime_map.png") if args.readme else None))

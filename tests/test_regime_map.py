@@ -161,3 +161,16 @@ def test_the_report_says_which_processes_the_check_restarted():
     line = calibration_lines({"calibration": {"full 128/32": [ok], "full 512/32": [slow, still]}})[0]
     assert "full 512/32: auto (step 5.34 ms > 1.15 x median 3.98)" in line
     assert "still slow after its restarts, measured as it was: full 512/32: auto" in line
+
+
+def test_a_map_of_some_rows_runs_those_rows_and_has_its_own_readme_section():
+    from kvpush.bench.regime import grid_rows
+    from kvpush.bench.regime_report import section_name
+
+    full = MapConfig(model="m", grid="full")
+    assert grid_rows(full)[0] == (128, 32) and len(grid_rows(full)) == 6
+    some = MapConfig(model="m", grid="full", rows=("2048/256", "128/32"))
+    assert grid_rows(some) == [(128, 32), (2048, 256)]  # the grid's order
+    assert section_name({**full.__dict__}) == "full"
+    assert section_name({**some.__dict__}) == "full-2048x256-128x32"
+    assert section_name({**some.__dict__, "confirm_of": "x/regime_map.json"}) == "full-2048x256-128x32-confirm"

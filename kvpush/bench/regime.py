@@ -72,6 +72,7 @@ class MapConfig:
     auto_proxy_args: list[str] = field(default_factory=list)  # e.g. ["--auto-stall-weight", "2"]
     calibrate: bool = True  # probe every deployment first and restart a slow process (bench/calibrate.py)
     confirm_of: str = ""  # a confirmation run (bench/regime_confirm.py): the screen's regime_map.json
+    rows: tuple[str, ...] = ()  # only these rows of the grid ("2048/256"); empty: every row
 
 
 @dataclass(frozen=True)
@@ -198,6 +199,13 @@ def _fastest(candidates: list[str], modes: dict[str, dict]) -> str:
     return min(candidates, key=lambda m: float(modes[m]["ttft_p50_ms"] or 0.0))
 
 
+def grid_rows(cfg: MapConfig) -> list[tuple[int, int]]:
+    """The grid's (prompt length, output length) rows, in order; only cfg.rows ("IN/OUT") where given."""
+    grid = GRIDS[cfg.grid]
+    rows = [(i, o) for i in grid["input_lens"] for o in grid["output_lens"]]
+    return [r for r in rows if not cfg.rows or f"{r[0]}/{r[1]}" in cfg.rows]
+
+
 def cells_for(cfg: MapConfig, link: str, input_len: int, output_len: int) -> list[Cell]:
     grid = GRIDS[cfg.grid]
     return [Cell(link, input_len, output_len, load, prefix) for load in grid["loads"] for prefix in grid["prefixes"]]
@@ -230,23 +238,21 @@ def map_link(cfg: MapConfig, link_name: str, link: Any, results: list[dict], sav
              calibration: dict[str, list[dict]]) -> None:
     """Start the fleet (over `link`, or none), check its processes (calibration), then every cell of the
     grid on it."""
-    grid = GRIDS[cfg.grid]
     base, fleet, probe = start_fleet(cfg, link_name, link)
     try:
-        for input_len in grid["input_lens"]:
-            for output_len in grid["output_lens"]:
-                if cfg.calibrate:  # a process can also turn slow while it serves: checked again every row
-                    calibration[f"{link_name} {input_len}/{output_len}"] = calibrate(fleet, probe, cfg.seed)
-                    save()
-                suite = row_suite(base, input_len, output_len)
-                capacity = measure_capacity(suite, fleet)
-                print(f"[{link_name} {input_len}/{output_len}] capacity {capacity:.3f} req/s", flush=True)
-                for cell in cells_for(cfg, link_name, input_len, output_len):
-                    rate = round(cell.load * capacity, 4)
-                    summary = run_cell(cfg, suite, fleet, cell, rate, len(results))
-                    summary["capacity"] = capacity
-                    results.append(summary)
-                    save()
+        for input_len, output_len in grid_rows(cfg):
+            if cfg.calibrate:  # a process can also turn slow while it serves: checked again every row
+                calibration[f"{link_name} {input_len}/{output_len}"] = calibrate(fleet, probe, cfg.seed)
+                save()
+            suite = row_suite(base, input_len, output_len)
+            capacity = measure_capacity(suite, fleet)
+            print(f"[{link_name} {input_len}/{output_len}] capacity {capacity:.3f} req/s", flush=True)
+            for cell in cells_for(cfg, link_name, input_len, output_len):
+                rate = round(cell.load * capacity, 4)
+                summary = run_cell(cfg, suite, fleet, cell, rate, len(results))
+                summary["capacity"] = capacity
+                results.append(summary)
+                save()
     finally:
         fleet.stop()
 

@@ -243,4 +243,5 @@ def report(path: Path, readme: Path | None = None, image: Path | None = None) ->
 def section_name(config: dict) -> str:
     """The README section of a map: its grid, and `-link` for a map of the rate-limited link alone."""
     name = config["grid"] if config.get("full_link", True) else f"{config['grid']}-link"
+    name += "".join(f"-{r.replace('/', 'x')}" for r in config.get("rows") or ())  # a map of some rows alone
     return f"{name}-confirm" if config.get("confirm_of") else name
