@@ -25,7 +25,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from kvpush.bench.regime import FORCED, GRIDS, MODES, MapConfig, run_map
+from kvpush.bench.regime import FORCED, GRIDS, MODES, MapConfig, row_names, run_map
 from kvpush.bench.regime_confirm import ConfirmError, confirm
 from kvpush.bench.regime_report import report
 from kvpush.config import default_model_dir
@@ -66,7 +66,7 @@ def main() -> None:
     args = ap.parse_args()
     grid = "mixed" if args.mixed else "quick" if args.quick else "full"
     assert grid in GRIDS
-    rows = [f"{i}/{o}" for i in GRIDS[grid]["input_lens"] for o in GRIDS[grid]["output_lens"]]
+    rows = row_names(grid)
     if any(r not in rows for r in args.rows):
         ap.error(f"--rows: the {grid} grid's rows are {' '.join(rows)}")
     if args.link_only and args.link_gbps is None:
@@ -74,6 +74,7 @@ def main() -> None:
     if args.link_gbps is not None and not args.link_gbps > 0:
         ap.error("--link-gbps must be positive")
     path = Path(args.result_dir) / "regime_map.json"
+    command = shlex.join(["python", "benchmarks/regime_map.py", *sys.argv[1:]])
     if args.confirm is not None and not args.report_only:
         screen = args.confirm / "regime_map.json" if args.confirm.is_dir() else args.confirm
         if not screen.is_file():
@@ -83,8 +84,7 @@ def main() -> None:
         if args.repeats is not None and not 1 <= args.repeats <= 50:
             ap.error("--repeats must be 1-50")
         try:
-            path = confirm(screen, args.repeats or 2, args.result_dir, not args.no_calibrate,
-                           shlex.join(["python", "benchmarks/regime_map.py", *sys.argv[1:]]))
+            path = confirm(screen, args.repeats or 2, args.result_dir, not args.no_calibrate, command)
         except ConfirmError as exc:
             ap.error(f"--confirm: {exc}")
     elif not args.report_only:
@@ -100,7 +100,7 @@ def main() -> None:
                         result_dir=args.result_dir, pin=not args.no_pin, auto_proxy_args=shlex.split(args.auto_proxy_args),
                         calibrate=not args.no_calibrate,
                         repeats=args.repeats or (1 if grid == "full" else 2), rows=tuple(args.rows),
-                        command=shlex.join(["python", "benchmarks/regime_map.py", *sys.argv[1:]]))
+                        command=command)
         path = run_map(cfg)
     print(report(path, args.readme, Path("docs/img/regime_map.png") if args.readme else None))
 

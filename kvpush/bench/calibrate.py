@@ -46,6 +46,11 @@ class CalibrationConfig:
     timeout_s: float = 60.0
     vocab_size: int = 8192
 
+    @classmethod
+    def for_prompts(cls, model: str, prompt_len: int, vocab_size: int) -> CalibrationConfig:
+        """The probe of a deployment that serves prompts of `prompt_len` tokens (probes at most 256)."""
+        return cls(model, prompt_len=min(cls.prompt_len, prompt_len), vocab_size=vocab_size)
+
 
 @dataclass
 class Probe:

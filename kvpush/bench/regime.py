@@ -199,11 +199,15 @@ def _fastest(candidates: list[str], modes: dict[str, dict]) -> str:
     return min(candidates, key=lambda m: float(modes[m]["ttft_p50_ms"] or 0.0))
 
 
+def row_names(grid: str) -> list[str]:
+    """A grid's rows as "IN/OUT" (prompt length / output length), in order."""
+    return [f"{i}/{o}" for i in GRIDS[grid]["input_lens"] for o in GRIDS[grid]["output_lens"]]
+
+
 def grid_rows(cfg: MapConfig) -> list[tuple[int, int]]:
-    """The grid's (prompt length, output length) rows, in order; only cfg.rows ("IN/OUT") where given."""
-    grid = GRIDS[cfg.grid]
-    rows = [(i, o) for i in grid["input_lens"] for o in grid["output_lens"]]
-    return [r for r in rows if not cfg.rows or f"{r[0]}/{r[1]}" in cfg.rows]
+    """The grid's (prompt length, output length) rows, in order; only cfg.rows where given."""
+    names = [r for r in row_names(cfg.grid) if not cfg.rows or r in cfg.rows]
+    return [(int(i), int(o)) for i, o in (r.split("/") for r in names)]
 
 
 def cells_for(cfg: MapConfig, link: str, input_len: int, output_len: int) -> list[Cell]:
@@ -220,8 +224,7 @@ def start_fleet(cfg: MapConfig, link_name: str, link: Any) -> tuple[SuiteConfig,
     log_dir = os.path.join(cfg.result_dir, "logs", link_dir(link_name))
     os.makedirs(log_dir, exist_ok=True)
     fleet = Fleet(base, log_dir, link).start()
-    probe = CalibrationConfig(cfg.model, prompt_len=min(256, GRIDS[cfg.grid]["input_lens"][0]),
-                              vocab_size=base.vocab_size)
+    probe = CalibrationConfig.for_prompts(cfg.model, GRIDS[cfg.grid]["input_lens"][0], base.vocab_size)
     return base, fleet, probe
 
 
@@ -265,6 +268,13 @@ def open_link(gbps: float) -> Any:
     return RateLimitedLink(LinkConfig(gbps=gbps)).start()
 
 
+def write_map(path: Path, config: dict, started: float, calibration: dict, cells: list[dict], **extra: Any) -> None:
+    """A map's regime_map.json as it stands (rewritten after every cell)."""
+    doc = {"config": config, "environment": bench_cli.environment(), "elapsed_s": time.time() - started,
+           **extra, "calibration": calibration, "cells": cells}
+    path.write_text(json.dumps(doc, indent=1))
+
+
 def run_map(cfg: MapConfig) -> Path:
     """Run the map; writes (and keeps updating) regime_map.json; returns its path."""
     Path(cfg.result_dir).mkdir(parents=True, exist_ok=True)
@@ -274,9 +284,7 @@ def run_map(cfg: MapConfig) -> Path:
     started = time.time()
 
     def save() -> None:
-        doc = {"config": asdict(cfg), "environment": bench_cli.environment(), "elapsed_s": time.time() - started,
-               "calibration": calibration, "cells": results}
-        path.write_text(json.dumps(doc, indent=1))
+        write_map(path, asdict(cfg), started, calibration, results)
 
     if cfg.full_link or cfg.link_gbps is None:
         map_link(cfg, "full", None, results, save, calibration)

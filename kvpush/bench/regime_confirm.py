@@ -32,7 +32,6 @@ from dataclasses import asdict, fields, replace
 from pathlib import Path
 from typing import Any
 
-from kvpush.bench import cli as bench_cli
 from kvpush.bench.calibrate import calibrate
 from kvpush.bench.regime import (
     ROUTES,
@@ -45,6 +44,7 @@ from kvpush.bench.regime import (
     run_seed,
     start_fleet,
     summarize,
+    write_map,
 )
 from kvpush.bench.suite import Fleet, SuiteConfig
 from kvpush.errors import KVPushError
@@ -133,9 +133,7 @@ def confirm(screen: Path, repeats: int, result_dir: str, calibrate_first: bool =
     started = time.time()
 
     def save() -> None:
-        out.write_text(json.dumps({"config": {**doc["config"], **asdict(cfg)}, "environment": bench_cli.environment(),
-                                   "elapsed_s": time.time() - started, "flagged": todo,
-                                   "calibration": calibration, "cells": results}, indent=1))
+        write_map(out, {**doc["config"], **asdict(cfg)}, started, calibration, results, flagged=todo)
 
     for link_name in dict.fromkeys(doc["cells"][i]["cell"]["link"] for i in todo):
         cells = [i for i in todo if doc["cells"][i]["cell"]["link"] == link_name]

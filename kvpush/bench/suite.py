@@ -192,7 +192,7 @@ def run_suite(cfg: SuiteConfig) -> tuple[list[Path], Path, list[Path]]:
     runs: list[Path] = []
     try:
         if cfg.calibrate:
-            calibrate(fleet, CalibrationConfig(cfg.model, prompt_len=min(256, cfg.input_len), vocab_size=cfg.vocab_size), cfg.seed)
+            calibrate(fleet, CalibrationConfig.for_prompts(cfg.model, cfg.input_len, cfg.vocab_size), cfg.seed)
         cpu = idle_cpu(fleet, cfg.idle_probe_s)
         print("idle CPU (share of one core): " + ", ".join(f"{k} {v:.1%}" for k, v in cpu.items()), flush=True)
         rates = cfg.rates

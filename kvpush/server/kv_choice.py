@@ -65,7 +65,8 @@ in regime_full13 a test run beside the map slowed one cell, auto's push requests
 fixed push's TTFT, and auto then sent none by push for 7 cells, ~220 decisions, where push was the
 best fixed mode in 6; what brings such a route back is mostly its slow samples decaying out of the
 fits, which a fresh sample speeds up). Exploring local charges no stall: it happens only where local
-is allowed (local_allowed, D's budget), at most as often as the other explorations. A route the client named is never overridden.
+is allowed (local_allowed, D's budget), at most as often as the other explorations. A route the
+client named is never overridden.
 Not used: descriptor count (pull's READ cost grows with fragmented KV; on one host it stayed small).
 """
 
