@@ -8,6 +8,8 @@
     python benchmarks/regime_map.py --report-only --readme README.md   # regenerate the README section
     python benchmarks/regime_map.py --confirm kvpush-results/regime_map --result-dir kvpush-results/confirm
         # rerun the cells where auto vs the best fixed mode had a verdict, 2 more runs each, pooled
+    python benchmarks/regime_map.py --mixed --auto-variant 'w3=--auto-stall-weight 3'
+        # auto's settings side by side: auto+w3 is a deployment of its own on the same prompts
 
 Modes: colocated, pull, push, push-layerwise and auto (one deployment each, all up together; P and D
 pinned to separate halves of the cores). Grid: prompt length x output length x load (a fraction of
@@ -21,6 +23,7 @@ regime_map.png under --result-dir.
 from __future__ import annotations
 
 import argparse
+import re
 import shlex
 import sys
 from pathlib import Path
@@ -30,6 +33,17 @@ from kvpush.bench.regime_confirm import ConfirmError, confirm
 from kvpush.bench.regime_report import report
 from kvpush.config import default_model_dir
 from kvpush.demo import ensure_model
+
+
+def parse_variants(ap: argparse.ArgumentParser, specs: list[str]) -> dict[str, list[str]]:
+    """--auto-variant NAME=FLAGS -> {NAME: [flags]}; a name is letters, digits, '-' or '_'."""
+    out: dict[str, list[str]] = {}
+    for spec in specs:
+        name, sep, flags = spec.partition("=")
+        if not sep or not re.fullmatch(r"[A-Za-z0-9_-]+", name) or name in out:
+            ap.error(f"--auto-variant {spec!r}: expected NAME=FLAGS with a new NAME of letters, digits, - or _")
+        out[name] = shlex.split(flags)
+    return out
 
 
 def main() -> None:
@@ -56,6 +70,9 @@ def main() -> None:
                     help="skip the probe that restarts a deployment started on a slow process (kvpush/bench/calibrate.py)")
     ap.add_argument("--auto-proxy-args", default="", help="extra `kvpush proxy` flags of the auto deployment, "
                                                           "e.g. \"--auto-stall-weight 2\" (one flag alone: --auto-proxy-args=--flag=value)")
+    ap.add_argument("--auto-variant", action="append", default=[], metavar="NAME=FLAGS",
+                    help="also run auto with other proxy flags as mode auto+NAME, a deployment of its own on the "
+                         "same prompts, e.g. --auto-variant 'w3=--auto-stall-weight 3' (repeatable)")
     ap.add_argument("--confirm", type=Path, default=None, metavar="SCREEN",
                     help="rerun the cells of this map (its result dir or regime_map.json) where auto's TTFT p50 "
                          "or p99 differed from the best fixed mode's beyond the interval, --repeats times (default "
@@ -73,6 +90,7 @@ def main() -> None:
         ap.error("--link-only needs --link-gbps")
     if args.link_gbps is not None and not args.link_gbps > 0:
         ap.error("--link-gbps must be positive")
+    variants = parse_variants(ap, args.auto_variant)
     path = Path(args.result_dir) / "regime_map.json"
     command = shlex.join(["python", "benchmarks/regime_map.py", *sys.argv[1:]])
     if args.confirm is not None and not args.report_only:
@@ -93,12 +111,13 @@ def main() -> None:
         run_s, max_prompts = {"quick": (8.0, 40), "mixed": (30.0, 120)}.get(grid, (defaults.run_s,
                                                                                  defaults.max_prompts))
         modes = tuple(args.modes) + (FORCED if args.forced_routes and "auto" in args.modes else ())
+        modes += tuple(f"auto+{name}" for name in variants)
         cfg = MapConfig(model=model, grid=grid, modes=tuple(dict.fromkeys(modes)), link_gbps=args.link_gbps,
                         full_link=not args.link_only,
                         run_s=args.run_s or run_s, min_prompts=args.min_prompts or defaults.min_prompts,
                         max_prompts=args.max_prompts or max_prompts,
                         result_dir=args.result_dir, pin=not args.no_pin, auto_proxy_args=shlex.split(args.auto_proxy_args),
-                        calibrate=not args.no_calibrate,
+                        auto_variants=variants, calibrate=not args.no_calibrate,
                         repeats=args.repeats or (1 if grid == "full" else 2), rows=tuple(args.rows),
                         command=command)
         path = run_map(cfg)

@@ -96,8 +96,9 @@ def decision(tokens=512.0, d_prefix=0.0, p_prefix=0.0, d_running=0, p_queue=0.0,
     return Decision(Route.LOCAL, tokens, p_prefix, d_prefix, p_queue, d_queue, d_running, PAIR)
 
 
-def trained(local_s_per_token=0.0004, rest_push=0.010, rest_pull=0.025, local_max_s=10.0) -> CostModel:
-    m = CostModel(local_max_s=local_max_s)
+def trained(local_s_per_token=0.0004, rest_push=0.010, rest_pull=0.025, local_max_s=10.0,
+            stall_weight=1.0) -> CostModel:
+    m = CostModel(stall_weight=stall_weight, local_max_s=local_max_s)
     for n in (128, 256, 512, 1024):
         d = decision(tokens=n)
         for route, rest in ((Route.PUSH, rest_push), (Route.PULL, rest_pull), (Route.PUSH_LAYERWISE, rest_push + 0.002)):
@@ -450,8 +451,24 @@ def test_a_route_that_slows_p_is_charged_for_the_requests_waiting_behind_it():
     d = m.choose(busy, both)
     assert d.route is Route.PUSH, d.estimates_s
     assert d.estimates_s["push-layerwise"] < d.estimates_s["push"]  # its own TTFT is still the shorter
-    assert d.to_json()["costs_ms"]["push-layerwise"] == pytest.approx(
-        (d.estimates_s["push-layerwise"] + 3 * (d.p_parts_s["push-layerwise"] - d.p_parts_s["push"])) * 1e3, abs=0.01)
+    own_pl = m.p_time(Route.PUSH_LAYERWISE, d, 0.0)
+    assert d.to_json()["costs_ms"]["push-layerwise"] == pytest.approx((d.estimates_s["push-layerwise"] + 3 * own_pl) * 1e3,
+                                                                       abs=0.01)
+
+
+def test_requests_waiting_at_p_tip_a_short_prompt_to_local():
+    """Both sides carry their delay to others: local stalls D's 2 decoding requests (weight 3), a
+    remote prefill delays each request queued at P behind it. With one waiting at P the stall weighs
+    more; with three, staying off P spares more than the stall costs (the old rule, charging remote
+    routes only their difference from each other, sent both to P)."""
+    m = trained(stall_weight=3.0)
+    one = decision(tokens=128, p_queue=512, d_running=2)
+    one.p_waiting = 1
+    assert m.choose(one).route is Route.PUSH, one.costs_s
+    three = decision(tokens=128, p_queue=512, d_running=2)
+    three.p_waiting = 3
+    assert m.choose(three).route is Route.LOCAL, three.costs_s
+    assert three.costs_s["push"] - three.estimates_s["push"] == pytest.approx(3 * m.p_time(Route.PUSH, three, 0.0))
 
 
 def test_the_router_counts_the_requests_queued_at_each_p():

@@ -174,3 +174,49 @@ def test_a_map_of_some_rows_runs_those_rows_and_has_its_own_readme_section():
     assert section_name({**full.__dict__}) == "full"
     assert section_name({**some.__dict__}) == "full-2048x256-128x32"
     assert section_name({**some.__dict__, "confirm_of": "x/regime_map.json"}) == "full-2048x256-128x32-confirm"
+
+
+def test_an_auto_variant_is_its_own_deployment_compared_with_auto_and_each_fixed_mode(tmp_path: Path):
+    """--auto-variant w3=FLAGS adds mode auto+w3: an auto deployment of its own whose proxy alone gets
+    FLAGS; the summary compares it with auto and each fixed mode on the same prompts, counts its
+    routes from its answers, and the findings print a line per variant with its flags."""
+    from kvpush.bench.suite import Fleet, SuiteConfig
+
+    cfg = SuiteConfig(model="m", modes=("push", "auto", "auto+w3"), auto_proxy_args=["--auto-local-share", "0.5"],
+                      auto_variants={"w3": ["--auto-stall-weight", "3"]})
+    fleet = Fleet(cfg, str(tmp_path))
+    variant = fleet.deployments["auto+w3"]
+    assert variant.proxy.argv[-2:] == ["--auto-stall-weight", "3"] and "--auto-local-share" not in variant.proxy.argv
+    assert all(i.argv[i.argv.index("--kv-mode") + 1] == "auto" for i in variant.instances)
+    assert "--auto-stall-weight" not in fleet.deployments["auto"].proxy.argv
+
+    w3 = [run(spread(200))]
+    for i, r in enumerate(w3[0]["requests"]):
+        r["kvpush_route"] = {"route": "local" if i % 3 == 0 else "push"}
+    runs = {"pull": [run(spread(100))], "push": [run(spread(110))], "auto": [run(spread(100))], "auto+w3": w3}
+    s = summarize(Cell("full", 512, 32, 0.7, "mixed"), 5.0, runs, {"push": 30})
+    v = s["variants"]["auto+w3"]
+    assert v["routes"]["local"] == 10 and v["routes"]["push"] == 20 and v["routes"]["pull"] == 0
+    assert v["vs_auto"]["ttft_p50"]["ratio"] == pytest.approx(2.0, rel=0.02)
+    assert v["vs_auto"]["ttft_p50"]["verdict"] == "auto better"
+    assert set(v["vs_each"]) == {"pull", "push"}
+    assert s["auto_vs_best"]["best"] == "pull"  # a variant is no fixed mode
+    text = findings({"config": {"auto_variants": {"w3": ["--auto-stall-weight", "3"]}}, "cells": [s]})
+    assert "- **auto+w3** (auto with `--auto-stall-weight 3`) vs each mode (full 512/32 70% mixed): pull: TTFT p99" in text
+    assert "routes push 20, local 10." in text
+
+
+def test_auto_variant_flags_are_parsed_and_bad_names_refused():
+    import argparse
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("regime_map_cli", Path(__file__).parents[1] / "benchmarks/regime_map.py")
+    assert spec is not None and spec.loader is not None
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    ap = argparse.ArgumentParser()
+    assert cli.parse_variants(ap, ["w3=--auto-stall-weight 3", "b_5=--auto-local-share=0.05"]) == {
+        "w3": ["--auto-stall-weight", "3"], "b_5": ["--auto-local-share=0.05"]}
+    for bad in (["w3"], ["a b=--x"], ["w3=--x", "w3=--y"], ["=--x"]):
+        with pytest.raises(SystemExit):
+            cli.parse_variants(ap, bad)

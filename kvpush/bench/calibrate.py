@@ -97,11 +97,13 @@ def calibrate(fleet: Fleet, cfg: CalibrationConfig, seed: int = 0) -> list[dict[
     """Probe every endpoint of the fleet, restart the slow deployments, probe again (see the module
     docstring). Returns one record per round: {"probes": {mode: {step_ms, prefill_ms}}, "slow": {mode:
     why}, "restarted": [modes]}."""
+    from kvpush.bench.suite import is_auto  # suite imports this module
+
     rng = np.random.default_rng(seed + 7_777)
     targets = [m for m in fleet.urls if "@" not in m]
     rounds: list[dict[str, Any]] = []
     for attempt in range(cfg.tries + 1):
-        probes = {m: probe(fleet.urls[m], "push" if m == "auto" else None, cfg, rng) for m in targets}
+        probes = {m: probe(fleet.urls[m], "push" if is_auto(m) else None, cfg, rng) for m in targets}
         found = slow(probes, cfg.slow_ratio)
         restart = list(found) if attempt < cfg.tries else []
         rounds.append({"probes": {m: vars(p) for m, p in probes.items()}, "slow": found, "restarted": restart})

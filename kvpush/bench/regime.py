@@ -70,6 +70,9 @@ class MapConfig:
     command: str = ""  # how the map was run (shown in the report)
     serve_args: list[str] = field(default_factory=lambda: ["--torch-threads", "1"])
     auto_proxy_args: list[str] = field(default_factory=list)  # e.g. ["--auto-stall-weight", "2"]
+    # auto+NAME modes, each its own deployment whose proxy gets these flags: routing settings compared
+    # side by side on the same prompts (e.g. {"w3": ["--auto-stall-weight", "3"]})
+    auto_variants: dict[str, list[str]] = field(default_factory=dict)
     calibrate: bool = True  # probe every deployment first and restart a slow process (bench/calibrate.py)
     confirm_of: str = ""  # a confirmation run (bench/regime_confirm.py): the screen's regime_map.json
     rows: tuple[str, ...] = ()  # only these rows of the grid ("2048/256"); empty: every row
@@ -144,7 +147,7 @@ def _run_mode(cfg: MapConfig, suite: SuiteConfig, fleet: Fleet, cell: Cell, rate
         args.dataset, args.session_turns, args.turn_len = cell.prefix, cfg.turns, cfg.turn_len
     if mode in FORCED:
         args.kv_route = mode.split("@", 1)[1]
-    before = _routes(fleet.urls[mode]) if mode == "auto" else None
+    before = _routes(fleet.urls[mode]) if mode == "auto" else None  # a variant's: from its requests (summarize)
     doc, _ = bench_cli._one_run(args, 0, rate, cfg.model)
     after = _routes(fleet.urls[mode]) if before is not None else None
     return doc, ({r: after[r] - before[r] for r in ROUTES} if after and before else {})
@@ -184,6 +187,22 @@ def summarize(cell: Cell, rate: float, runs: dict[str, list[dict]], routes: dict
     if "auto" in runs and forced:
         best = _fastest(forced, modes)
         out["auto_vs_forced"] = {"best": best, **_compare(runs, "auto", best)}
+    variants = [m for m in runs if m.startswith("auto+")]
+    if variants:
+        out["variants"] = {v: {"routes": routes_taken(runs[v]),
+                               "vs_auto": _compare(runs, v, "auto") if "auto" in runs else None,
+                               "vs_each": {m: _compare(runs, v, m) for m in fixed}} for v in variants}
+    return out
+
+
+def routes_taken(docs: list[dict]) -> dict[str, float]:
+    """How many of these runs' requests took each route (their answers' kvpush_route)."""
+    out = dict.fromkeys(ROUTES, 0.0)
+    for doc in docs:
+        for r in doc.get("requests") or ():
+            route = (r.get("kvpush_route") or {}).get("route")
+            if route in out:
+                out[route] += 1
     return out
 
 
@@ -219,7 +238,7 @@ def start_fleet(cfg: MapConfig, link_name: str, link: Any) -> tuple[SuiteConfig,
     """Every deployment of cfg.modes up (over `link`, or none), logs under result_dir/logs/<link>; with
     the suite settings they share and the process check's probe."""
     base = SuiteConfig(model=cfg.model, modes=cfg.modes, serve_args=cfg.serve_args, pin=cfg.pin,
-                       auto_proxy_args=cfg.auto_proxy_args,
+                       auto_proxy_args=cfg.auto_proxy_args, auto_variants=cfg.auto_variants,
                        capacity_prompts=cfg.capacity_prompts, result_dir=cfg.result_dir, seed=cfg.seed)
     log_dir = os.path.join(cfg.result_dir, "logs", link_dir(link_name))
     os.makedirs(log_dir, exist_ok=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -100,7 +101,27 @@ def findings(doc: dict[str, Any]) -> str:
             parts = [f"{m}: TTFT p99 {_ratio_text(r.get('ttft_p99'))}, TPOT p50 {_ratio_text(r.get('tpot_p50'))}"
                      for m, r in each.items()]
             out.append(f"- **auto vs each fixed mode on the mixed workload** ({c['name']}): " + "; ".join(parts) + ".")
+    out += _variant_lines(doc, cells)
     return "\n".join(out)
+
+
+def _variant_lines(doc: dict[str, Any], cells: list[dict]) -> list[str]:
+    """Per auto variant (its own deployment, auto's proxy with other flags): against auto and each fixed
+    mode, per cell."""
+    flags = (doc.get("config") or {}).get("auto_variants") or {}
+    out = []
+    for c in cells:
+        for v, s in (c.get("variants") or {}).items():
+            parts = [f"{m}: TTFT p99 {_ratio_text(r.get('ttft_p99'))}, TPOT p50 {_ratio_text(r.get('tpot_p50'))}"
+                     for m, r in (s.get("vs_each") or {}).items()]
+            vs = s.get("vs_auto") or {}
+            if vs:
+                parts.append(f"auto: TTFT p50 {_ratio_text(vs.get('ttft_p50'))}, TTFT p99 {_ratio_text(vs.get('ttft_p99'))},"
+                             f" TPOT p50 {_ratio_text(vs.get('tpot_p50'))}")
+            routes = ", ".join(f"{k} {n:.0f}" for k, n in (s.get("routes") or {}).items() if n)
+            out.append(f"- **{v}** (auto with `{shlex.join(flags.get(v.split('+', 1)[1], []))}`) vs each mode "
+                       f"({c['name']}): " + "; ".join(parts) + f"; routes {routes or '-'}.")
+    return out
 
 
 def heatmaps(doc: dict[str, Any], out: Path) -> Path | None:

@@ -54,7 +54,21 @@ class SuiteConfig:
     progress: bool = False
     pin: bool = False  # P and D on separate halves of the cores (see kvpush.placement)
     auto_proxy_args: list[str] = field(default_factory=list)  # extra `kvpush proxy` flags of the auto deployment
+    # auto+NAME modes: a deployment of its own each, an auto proxy with these flags (e.g. another stall weight)
+    auto_variants: dict[str, list[str]] = field(default_factory=dict)
     calibrate: bool = False  # run_suite: check the processes first, restart a slow one (bench/calibrate.py)
+
+
+def is_auto(mode: str) -> bool:
+    """auto or a variant of it (auto+NAME): a deployment whose proxy chooses the route."""
+    return mode == "auto" or mode.startswith("auto+")
+
+
+def deployment_of(cfg: SuiteConfig, mode: str) -> tuple[str, list[str]]:
+    """The --kv-mode and the extra proxy flags of a mode's deployment."""
+    if mode.startswith("auto+"):
+        return "auto", list(cfg.auto_variants[mode.split("+", 1)[1]])
+    return mode, list(cfg.auto_proxy_args) if mode == "auto" else []
 
 
 class Fleet:
@@ -74,8 +88,8 @@ class Fleet:
                                            log_path=os.path.join(log_dir, "colocated.log"))
         for mode in cfg.modes:
             if mode != "colocated" and mode not in self.forced:
-                proxy_args = cfg.auto_proxy_args if mode == "auto" else []
-                self.deployments[mode] = Deployment(cfg.model, 1, 1, mode, free_port(), cfg.serve_args, proxy_args,
+                kv_mode, proxy_args = deployment_of(cfg, mode)
+                self.deployments[mode] = Deployment(cfg.model, 1, 1, kv_mode, free_port(), cfg.serve_args, proxy_args,
                                                     log_dir=os.path.join(log_dir, mode), pin=cfg.pin, link=link)
 
     def start(self) -> Fleet:

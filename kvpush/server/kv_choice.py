@@ -40,9 +40,12 @@ Learned fits, from every finished request's trace (decayed least squares):
     D's: no two clocks are subtracted from each other, so it holds across hosts.)
 Estimates and costs (seconds):
     remote r:  prefill[r, P](p_queue + own, own) + rest[r, P, D](tokens - d_prefix), own = tokens - p_prefix;
-               its cost adds what it slows P for the requests behind it: (prefill[r] - the least
-               prefill[r'] of the remote routes) x p_waiting (in a FIFO queue a request leaves as many
-               behind as it found ahead, on average)
+               its cost adds what its prefill delays the requests behind it on P: prefill[r, P](own, own)
+               x p_waiting (in a FIFO queue a request leaves as many behind as it found ahead, on
+               average). Local's cost charges the delay it inflicts on D (below), so both sides of the
+               comparison carry their delay to others: a request that stays off a busy P spares the
+               requests queueing there, which is where the TTFT tail forms (a short prompt behind a
+               long one); routes that slow P (push-layerwise's hooks) pay for it per waiting request
     local:     local(d_queue + tokens - d_prefix); its cost adds the stall it inflicts on D's running
                requests: local(tokens - d_prefix) x d_running x stall_weight. Local is not considered
                at all when that prefill would take longer than local_max_s (--auto-local-max-ms): the
@@ -141,7 +144,7 @@ class Outcome:
 
 
 class CostModel:
-    def __init__(self, routes: tuple[Route, ...] = tuple(Route), stall_weight: float = 1.0,
+    def __init__(self, routes: tuple[Route, ...] = tuple(Route), stall_weight: float = 3.0,
                  local_max_s: float = 0.064) -> None:
         self.routes = routes
         self.stall_weight = stall_weight
@@ -195,7 +198,7 @@ class CostModel:
         if route is Route.LOCAL:
             est += self.local_s(d) * d.d_running * self.stall_weight
         elif d.p_waiting:
-            est += (d.p_parts_s[route.value] - min(d.p_parts_s.values())) * d.p_waiting
+            est += self.p_time(route, d, 0.0) * d.p_waiting
         return est
 
     def p_queue_delay(self, d: Decision) -> float:
@@ -289,7 +292,7 @@ class AutoRouter:
     """The proxy's side of --kv-mode auto: decides, keeps the per-instance prefix trackers and queued
     prefill tokens, and learns from answers. Instances are named by URL."""
 
-    def __init__(self, stall_weight: float = 1.0, local_max_s: float = 0.064, local_share: float = 1.0,
+    def __init__(self, stall_weight: float = 3.0, local_max_s: float = 0.064, local_share: float = 1.0,
                  local_window_s: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.model = CostModel(stall_weight=stall_weight, local_max_s=local_max_s)
         self.budget = LocalBudget(local_share, local_window_s)
