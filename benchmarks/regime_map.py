@@ -8,11 +8,11 @@
     python benchmarks/regime_map.py --report-only --readme README.md   # regenerate the README section
     python benchmarks/regime_map.py --confirm kvpush-results/regime_map --result-dir kvpush-results/confirm
         # rerun the cells where auto vs the best fixed mode had a verdict, 2 more runs each, pooled
-    python benchmarks/regime_map.py --mixed --auto-variant 'w3=--auto-stall-weight 3'
-        # auto's settings side by side: auto+w3 is a deployment of its own on the same prompts
+    python benchmarks/regime_map.py --mixed --auto-variant 'w1=--auto-stall-weight 1'
+        # auto's settings side by side: auto+w1 is a deployment of its own on the same prompts
 
 Modes: colocated, pull, push, push-layerwise and auto (one deployment each, all up together; P and D
-pinned to separate halves of the cores). Grid: prompt length x output length x load (a fraction of
+pinned to separate halves of the cores), and auto+NAME per --auto-variant (auto with other flags). Grid: prompt length x output length x load (a fraction of
 the slower of push and pull at full concurrency, measured per length pair) x prefix (fresh prompts,
 or multi-turn sessions whose earlier turns D already holds) [x link]. Per cell every mode runs on
 the same prompts, --repeats times (quick and mixed: 2, full: 1) with the order of the modes
@@ -31,17 +31,27 @@ from pathlib import Path
 from kvpush.bench.regime import FORCED, GRIDS, MODES, MapConfig, row_names, run_map
 from kvpush.bench.regime_confirm import ConfirmError, confirm
 from kvpush.bench.regime_report import report
+from kvpush.cli import add_auto_arguments
 from kvpush.config import default_model_dir
 from kvpush.demo import ensure_model
 
 
 def parse_variants(ap: argparse.ArgumentParser, specs: list[str]) -> dict[str, list[str]]:
-    """--auto-variant NAME=FLAGS -> {NAME: [flags]}; a name is letters, digits, '-' or '_'."""
+    """--auto-variant NAME=FLAGS -> {NAME: [flags]}; a name is letters, digits, '-' or '_', the flags the
+    proxy's --auto-* ones (checked here, not when the proxy would exit at start)."""
+    auto_flags = argparse.ArgumentParser(prog="--auto-variant", add_help=False, exit_on_error=False)
+    add_auto_arguments(auto_flags)
     out: dict[str, list[str]] = {}
     for spec in specs:
         name, sep, flags = spec.partition("=")
         if not sep or not re.fullmatch(r"[A-Za-z0-9_-]+", name) or name in out:
             ap.error(f"--auto-variant {spec!r}: expected NAME=FLAGS with a new NAME of letters, digits, - or _")
+        try:
+            _, unknown = auto_flags.parse_known_args(shlex.split(flags))
+        except (argparse.ArgumentError, ValueError) as exc:
+            ap.error(f"--auto-variant {spec!r}: {exc}")
+        if unknown:
+            ap.error(f"--auto-variant {spec!r}: not a proxy --auto-* flag: {' '.join(unknown)}")
         out[name] = shlex.split(flags)
     return out
 
@@ -71,8 +81,9 @@ def main() -> None:
     ap.add_argument("--auto-proxy-args", default="", help="extra `kvpush proxy` flags of the auto deployment, "
                                                           "e.g. \"--auto-stall-weight 2\" (one flag alone: --auto-proxy-args=--flag=value)")
     ap.add_argument("--auto-variant", action="append", default=[], metavar="NAME=FLAGS",
-                    help="also run auto with other proxy flags as mode auto+NAME, a deployment of its own on the "
-                         "same prompts, e.g. --auto-variant 'w3=--auto-stall-weight 3' (repeatable)")
+                    help="also run auto with other --auto-* proxy flags (after --auto-proxy-args, so they override "
+                         "them) as mode auto+NAME, a deployment of its own on the same prompts, e.g. --auto-variant "
+                         "'w1=--auto-stall-weight 1' (repeatable)")
     ap.add_argument("--confirm", type=Path, default=None, metavar="SCREEN",
                     help="rerun the cells of this map (its result dir or regime_map.json) where auto's TTFT p50 "
                          "or p99 differed from the best fixed mode's beyond the interval, --repeats times (default "
@@ -91,6 +102,8 @@ def main() -> None:
     if args.link_gbps is not None and not args.link_gbps > 0:
         ap.error("--link-gbps must be positive")
     variants = parse_variants(ap, args.auto_variant)
+    if variants and args.confirm is not None:
+        ap.error("--auto-variant and --confirm: a confirmation runs the screen's modes, variants included")
     path = Path(args.result_dir) / "regime_map.json"
     command = shlex.join(["python", "benchmarks/regime_map.py", *sys.argv[1:]])
     if args.confirm is not None and not args.report_only:

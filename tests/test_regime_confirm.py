@@ -125,3 +125,12 @@ def test_confirmation_pools_its_runs_with_the_screens_and_reports_both(tmp_path:
     assert "**push better** -> 1.05" in text  # the screen's verdict, then the pooled ratio
     with pytest.raises(ConfirmError, match="is a confirmation itself"):
         confirm(out, 1, str(tmp_path / "again"))
+
+
+def test_a_confirmation_says_when_its_code_differs_from_the_screens():
+    from kvpush.bench.regime_confirm import code_change
+
+    assert code_change({"git_commit": "a", "git_dirty": False}, {"git_commit": "a", "git_dirty": False}) == ""
+    assert code_change({"git_commit": "a"}, {"git_commit": "b"}) == "the screen ran commit a, this runs b"
+    assert code_change({"git_commit": "a", "git_dirty": True}, {"git_commit": "a", "git_dirty": False}) == \
+        "the screen's tree had uncommitted changes to a"

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvpush.bench.regime import Cell, MapConfig, num_prompts, summarize
-from kvpush.bench.regime_report import findings, markdown, markers, report
+from kvpush.bench.regime_report import findings, markdown, markers, report, section_name
 
 
 def run(ttfts_ms: list[float], tpot_ms: float = 10.0, out: int = 9) -> dict:
@@ -177,16 +177,17 @@ def test_a_map_of_some_rows_runs_those_rows_and_has_its_own_readme_section():
 
 
 def test_an_auto_variant_is_its_own_deployment_compared_with_auto_and_each_fixed_mode(tmp_path: Path):
-    """--auto-variant w3=FLAGS adds mode auto+w3: an auto deployment of its own whose proxy alone gets
-    FLAGS; the summary compares it with auto and each fixed mode on the same prompts, counts its
-    routes from its answers, and the findings print a line per variant with its flags."""
+    """--auto-variant w3=FLAGS adds mode auto+w3: an auto deployment of its own whose proxy gets auto's
+    extra flags, then FLAGS (which override them); the summary compares it with auto and each fixed
+    mode on the same prompts, counts its routes from its answers, the findings print a line per
+    variant with its flags, and the README section is not the map's own."""
     from kvpush.bench.suite import Fleet, SuiteConfig
 
     cfg = SuiteConfig(model="m", modes=("push", "auto", "auto+w3"), auto_proxy_args=["--auto-local-share", "0.5"],
                       auto_variants={"w3": ["--auto-stall-weight", "3"]})
     fleet = Fleet(cfg, str(tmp_path))
     variant = fleet.deployments["auto+w3"]
-    assert variant.proxy.argv[-2:] == ["--auto-stall-weight", "3"] and "--auto-local-share" not in variant.proxy.argv
+    assert variant.proxy.argv[-4:] == ["--auto-local-share", "0.5", "--auto-stall-weight", "3"]
     assert all(i.argv[i.argv.index("--kv-mode") + 1] == "auto" for i in variant.instances)
     assert "--auto-stall-weight" not in fleet.deployments["auto"].proxy.argv
 
@@ -203,7 +204,9 @@ def test_an_auto_variant_is_its_own_deployment_compared_with_auto_and_each_fixed
     assert s["auto_vs_best"]["best"] == "pull"  # a variant is no fixed mode
     text = findings({"config": {"auto_variants": {"w3": ["--auto-stall-weight", "3"]}}, "cells": [s]})
     assert "- **auto+w3** (auto with `--auto-stall-weight 3`) vs each mode (full 512/32 70% mixed): pull: TTFT p99" in text
-    assert "routes push 20, local 10." in text
+    assert "routes of its measured requests push 20, local 10." in text
+    assert section_name({"grid": "mixed", "auto_variants": {"w3": []}}) == "mixed-variants"
+    assert section_name({"grid": "mixed", "auto_variants": {}}) == "mixed"
 
 
 def test_auto_variant_flags_are_parsed_and_bad_names_refused():
@@ -217,6 +220,8 @@ def test_auto_variant_flags_are_parsed_and_bad_names_refused():
     ap = argparse.ArgumentParser()
     assert cli.parse_variants(ap, ["w3=--auto-stall-weight 3", "b_5=--auto-local-share=0.05"]) == {
         "w3": ["--auto-stall-weight", "3"], "b_5": ["--auto-local-share=0.05"]}
-    for bad in (["w3"], ["a b=--x"], ["w3=--x", "w3=--y"], ["=--x"]):
+    for bad in (["w3"], ["a b=--auto-stall-weight 1"], ["w3=--auto-stall-weight 1", "w3=--auto-stall-weight 2"],
+                ["=--auto-stall-weight 1"], ["w3=--auto-stall-weigth 3"], ["w3=--kv-mode push"],
+                ["w3=--auto-stall-weight -1"]):
         with pytest.raises(SystemExit):
             cli.parse_variants(ap, bad)

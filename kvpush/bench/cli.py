@@ -210,11 +210,23 @@ def _git_commit() -> str | None:
     return proc.stdout.strip() or None
 
 
+def _git_dirty() -> bool | None:
+    """Whether the package's tracked files differ from HEAD (a run from an uncommitted tree), or None."""
+    here = Path(__file__).resolve().parents[1]
+    try:
+        proc = subprocess.run(["git", "-C", str(here), "status", "--porcelain", "--untracked-files=no", "--", "."],
+                              capture_output=True, text=True, timeout=5, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return bool(proc.stdout.strip()) if proc.returncode == 0 else None
+
+
 def environment() -> dict[str, Any]:
     """Where a run was made: versions (from package metadata), git commit, CPUs."""
     return {
         "kvpush_version": _dist_version("kvpush") or _package_version(),
         "git_commit": _git_commit(),
+        "git_dirty": _git_dirty(),
         "cpu_count": os.cpu_count(),
         "python": platform.python_version(),
         "platform": platform.platform(),

@@ -71,7 +71,7 @@ class MapConfig:
     serve_args: list[str] = field(default_factory=lambda: ["--torch-threads", "1"])
     auto_proxy_args: list[str] = field(default_factory=list)  # e.g. ["--auto-stall-weight", "2"]
     # auto+NAME modes, each its own deployment whose proxy gets these flags: routing settings compared
-    # side by side on the same prompts (e.g. {"w3": ["--auto-stall-weight", "3"]})
+    # side by side on the same prompts (e.g. {"w1": ["--auto-stall-weight", "1"]}; after auto_proxy_args)
     auto_variants: dict[str, list[str]] = field(default_factory=dict)
     calibrate: bool = True  # probe every deployment first and restart a slow process (bench/calibrate.py)
     confirm_of: str = ""  # a confirmation run (bench/regime_confirm.py): the screen's regime_map.json
@@ -167,7 +167,8 @@ def _ratio(a: list[dict], b: list[dict], metric: str, stat: Stat, a_name: str, b
 
 def summarize(cell: Cell, rate: float, runs: dict[str, list[dict]], routes: dict[str, float]) -> dict[str, Any]:
     """Per mode (requests of its runs pooled): requests, failures, TTFT p50/p99, TPOT p50 (ms);
-    push/pull, auto/best-fixed and auto/each-fixed ratios."""
+    push/pull, auto/best-fixed and auto/each-fixed ratios; per auto variant (auto+NAME) its ratios to
+    auto and to each fixed mode, and the routes its measured requests took."""
     runs = {m: docs for m, docs in runs.items() if docs}
     ttft = {m: request_values(docs, "ttft") for m, docs in runs.items()}
     tpot = {m: request_values(docs, "tpot") for m, docs in runs.items()}

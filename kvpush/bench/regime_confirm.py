@@ -27,11 +27,13 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from dataclasses import asdict, fields, replace
 from pathlib import Path
 from typing import Any
 
+from kvpush.bench import cli as bench_cli
 from kvpush.bench.calibrate import calibrate
 from kvpush.bench.regime import (
     ROUTES,
@@ -108,6 +110,16 @@ class ScreenRuns:
         return out
 
 
+def code_change(screen_env: dict, env: dict) -> str:
+    """What differs between the code the screen ran and this one (commit, or an uncommitted tree on
+    either side); empty when nothing known does."""
+    a, b = screen_env.get("git_commit"), env.get("git_commit")
+    if a != b:
+        return f"the screen ran commit {a}, this runs {b}"
+    dirty = [who for who, e in (("the screen's", screen_env), ("this", env)) if e.get("git_dirty")]
+    return f"{' and '.join(dirty)} tree had uncommitted changes to {a}" if dirty else ""
+
+
 def _of_cell(doc: dict, screen_cell: dict) -> bool:
     """Whether a run document has the cell's lengths and rate."""
     cfg, cell = doc.get("config") or {}, screen_cell["cell"]
@@ -123,6 +135,9 @@ def confirm(screen: Path, repeats: int, result_dir: str, calibrate_first: bool =
     if doc["config"].get("confirm_of"):
         raise ConfirmError(f"{screen} is a confirmation itself: confirm its screen, {doc['config']['confirm_of']}")
     screen_repeats = int(doc["config"].get("repeats", 1))
+    code = code_change(doc.get("environment") or {}, bench_cli.environment())
+    if code:
+        print(f"regime map --confirm: {code}: the pooled runs may route differently", file=sys.stderr, flush=True)
     cfg = screen_config(doc, repeats=repeats, result_dir=result_dir, calibrate=calibrate_first, command=command,
                         confirm_of=str(screen))
     todo = flagged(doc["cells"])
@@ -133,7 +148,8 @@ def confirm(screen: Path, repeats: int, result_dir: str, calibrate_first: bool =
     started = time.time()
 
     def save() -> None:
-        write_map(out, {**doc["config"], **asdict(cfg)}, started, calibration, results, flagged=todo)
+        write_map(out, {**doc["config"], **asdict(cfg)}, started, calibration, results, flagged=todo,
+                  screen_environment=doc.get("environment"), code_change=code)
 
     for link_name in dict.fromkeys(doc["cells"][i]["cell"]["link"] for i in todo):
         cells = [i for i in todo if doc["cells"][i]["cell"]["link"] == link_name]
@@ -168,5 +184,5 @@ def _confirm_cell(cfg: MapConfig, screen_cell: dict, index: int, base: SuiteConf
     moved = {r: routes.get(r, 0.0) + float((screen_cell.get("routes") or {}).get(r, 0.0)) for r in ROUTES}
     summary = summarize(cell, rate, pooled, moved)
     summary.update(index=index, capacity=screen_cell.get("capacity"),
-                   screen={k: screen_cell.get(k) for k in ("modes", "push_vs_pull", "auto_vs_best")})
+                   screen={k: screen_cell.get(k) for k in ("modes", "push_vs_pull", "auto_vs_best", "variants")})
     return summary

@@ -120,7 +120,7 @@ def _variant_lines(doc: dict[str, Any], cells: list[dict]) -> list[str]:
                              f" TPOT p50 {_ratio_text(vs.get('tpot_p50'))}")
             routes = ", ".join(f"{k} {n:.0f}" for k, n in (s.get("routes") or {}).items() if n)
             out.append(f"- **{v}** (auto with `{shlex.join(flags.get(v.split('+', 1)[1], []))}`) vs each mode "
-                       f"({c['name']}): " + "; ".join(parts) + f"; routes {routes or '-'}.")
+                       f"({c['name']}): " + "; ".join(parts) + f"; routes of its measured requests {routes or '-'}.")
     return out
 
 
@@ -265,4 +265,5 @@ def section_name(config: dict) -> str:
     """The README section of a map: its grid, and `-link` for a map of the rate-limited link alone."""
     name = config["grid"] if config.get("full_link", True) else f"{config['grid']}-link"
     name += "".join(f"-{r.replace('/', 'x')}" for r in config.get("rows") or ())  # a map of some rows alone
+    name += "-variants" if config.get("auto_variants") else ""  # auto's settings compared: not the map itself
     return f"{name}-confirm" if config.get("confirm_of") else name

@@ -54,7 +54,7 @@ class SuiteConfig:
     progress: bool = False
     pin: bool = False  # P and D on separate halves of the cores (see kvpush.placement)
     auto_proxy_args: list[str] = field(default_factory=list)  # extra `kvpush proxy` flags of the auto deployment
-    # auto+NAME modes: a deployment of its own each, an auto proxy with these flags (e.g. another stall weight)
+    # auto+NAME modes: a deployment of its own each, an auto proxy with auto_proxy_args and then these flags
     auto_variants: dict[str, list[str]] = field(default_factory=dict)
     calibrate: bool = False  # run_suite: check the processes first, restart a slow one (bench/calibrate.py)
 
@@ -66,8 +66,8 @@ def is_auto(mode: str) -> bool:
 
 def deployment_of(cfg: SuiteConfig, mode: str) -> tuple[str, list[str]]:
     """The --kv-mode and the extra proxy flags of a mode's deployment."""
-    if mode.startswith("auto+"):
-        return "auto", list(cfg.auto_variants[mode.split("+", 1)[1]])
+    if mode.startswith("auto+"):  # auto's own extra flags first: the variant's override them (the last wins)
+        return "auto", [*cfg.auto_proxy_args, *cfg.auto_variants[mode.split("+", 1)[1]]]
     return mode, list(cfg.auto_proxy_args) if mode == "auto" else []
 
 

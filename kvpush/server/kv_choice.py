@@ -42,10 +42,13 @@ Estimates and costs (seconds):
     remote r:  prefill[r, P](p_queue + own, own) + rest[r, P, D](tokens - d_prefix), own = tokens - p_prefix;
                its cost adds what its prefill delays the requests behind it on P: prefill[r, P](own, own)
                x p_waiting (in a FIFO queue a request leaves as many behind as it found ahead, on
-               average). Local's cost charges the delay it inflicts on D (below), so both sides of the
-               comparison carry their delay to others: a request that stays off a busy P spares the
+               average). Local's cost charges the stall it inflicts on D's decoding requests (below),
+               so both sides carry a delay to others (local's leaves out the locals queued behind it
+               on D and the KV landing there meanwhile): a request that stays off a busy P spares the
                requests queueing there, which is where the TTFT tail forms (a short prompt behind a
-               long one); routes that slow P (push-layerwise's hooks) pay for it per waiting request
+               long one); routes that slow P (push-layerwise's hooks) pay for it per waiting request.
+               P's line includes its intercept: were the fit's queue slope to drop to 0, the
+               intercept would hold P's queueing and this charge would overstate the delay
     local:     local(d_queue + tokens - d_prefix); its cost adds the stall it inflicts on D's running
                requests: local(tokens - d_prefix) x d_running x stall_weight. Local is not considered
                at all when that prefill would take longer than local_max_s (--auto-local-max-ms): the
@@ -81,6 +84,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from kvpush.config import ProxyConfig
 from kvpush.server.kv_fit import Line, LocalBudget, RouteFit
 from kvpush.server.kv_prefix import CHARS_PER_UNIT, PrefixTracker, PromptKey
 
@@ -89,6 +93,7 @@ EXPLORE_EVERY_LATER = 100
 WELL_MEASURED = 8
 STALE_AFTER = 150  # decisions: ~3-5 half-lives of the remote fits (30, 50 answers) while requests keep coming
 PRIOR_TOKENS_PER_CHAR = 0.25
+STALL_WEIGHT = ProxyConfig.auto_stall_weight
 
 
 class Route(StrEnum):
@@ -144,7 +149,7 @@ class Outcome:
 
 
 class CostModel:
-    def __init__(self, routes: tuple[Route, ...] = tuple(Route), stall_weight: float = 3.0,
+    def __init__(self, routes: tuple[Route, ...] = tuple(Route), stall_weight: float = STALL_WEIGHT,
                  local_max_s: float = 0.064) -> None:
         self.routes = routes
         self.stall_weight = stall_weight
@@ -292,7 +297,7 @@ class AutoRouter:
     """The proxy's side of --kv-mode auto: decides, keeps the per-instance prefix trackers and queued
     prefill tokens, and learns from answers. Instances are named by URL."""
 
-    def __init__(self, stall_weight: float = 3.0, local_max_s: float = 0.064, local_share: float = 1.0,
+    def __init__(self, stall_weight: float = STALL_WEIGHT, local_max_s: float = 0.064, local_share: float = 1.0,
                  local_window_s: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.model = CostModel(stall_weight=stall_weight, local_max_s=local_max_s)
         self.budget = LocalBudget(local_share, local_window_s)
