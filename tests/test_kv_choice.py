@@ -451,6 +451,7 @@ def test_a_route_that_slows_p_is_charged_for_the_requests_waiting_behind_it():
     d = m.choose(busy, both)
     assert d.route is Route.PUSH, d.estimates_s
     assert d.estimates_s["push-layerwise"] < d.estimates_s["push"]  # its own TTFT is still the shorter
+    assert (d.to_json()["p_queue_tokens"], d.to_json()["d_queue_tokens"], d.to_json()["p_waiting"]) == (1536, 0, 3)
     own_pl = m.p_time(Route.PUSH_LAYERWISE, d, 0.0)
     assert d.to_json()["costs_ms"]["push-layerwise"] == pytest.approx((d.estimates_s["push-layerwise"] + 3 * own_pl) * 1e3,
                                                                        abs=0.01)

@@ -133,6 +133,7 @@ class Decision:
         return {"route": self.route.value, "forced": self.forced, "tokens": round(self.tokens),
                 "d_prefix_tokens": round(self.d_prefix), "p_prefix_tokens": round(self.p_prefix),
                 "p_waiting": self.p_waiting, "d_running": self.d_running,
+                "p_queue_tokens": round(self.p_queue), "d_queue_tokens": round(self.d_queue),
                 "estimates_ms": {r: round(s * 1e3, 2) for r, s in self.estimates_s.items()},
                 "costs_ms": {r: round(s * 1e3, 2) for r, s in self.costs_s.items()}}
 
