@@ -227,8 +227,8 @@ class ProxyConfig:
     probe_interval_s: float = 1.0
     # --kv-mode auto: how much a local prefill's stall of D's running requests counts against it
     # (1.0: each running request's delay counts as much as this request's TTFT; 3: a ms of their decode
-    # time as 3 ms of TTFT, which kept the mixed workload's TPOT within 5% of the fixed modes' while
-    # its TTFT p99 stayed >= 20% better: auto_mixed14w3q8 in the README)
+    # time as 3 ms of TTFT; with it the mixed workload's TPOT was within 5% of the fixed modes' and its
+    # TTFT p99 >= 20% better in auto_mixed14w3q8, while a side-by-side run could not tell 3 from 1: README)
     auto_stall_weight: float = 3.0
     # --kv-mode auto: D prefills locally only what it can prefill in this long (a tail guard), unless
     # P's queue would hold the request at least as long as D's local queue and prefill (a burst at P)
