@@ -196,29 +196,25 @@ def _package_version() -> str | None:
     return getattr(kvpush, "__version__", None)
 
 
-def _git_commit() -> str | None:
-    """HEAD of the git checkout holding this package, or None."""
+def _git(*args: str) -> str | None:
+    """A git command's output in the package's folder (kvpush/), or None (no git, not a checkout)."""
     try:
-        proc = subprocess.run(
-            ["git", "-C", str(Path(__file__).resolve().parent), "rev-parse", "HEAD"],
-            capture_output=True, text=True, timeout=5, check=False,
-        )
+        proc = subprocess.run(["git", "-C", str(Path(__file__).resolve().parents[1]), *args],
+                              capture_output=True, text=True, timeout=5, check=False)
     except (OSError, subprocess.SubprocessError):
         return None
-    if proc.returncode != 0:
-        return None
-    return proc.stdout.strip() or None
+    return proc.stdout.strip() if proc.returncode == 0 else None
+
+
+def _git_commit() -> str | None:
+    """HEAD of the git checkout holding this package, or None."""
+    return _git("rev-parse", "HEAD") or None
 
 
 def _git_dirty() -> bool | None:
     """Whether the package's tracked files differ from HEAD (a run from an uncommitted tree), or None."""
-    here = Path(__file__).resolve().parents[1]
-    try:
-        proc = subprocess.run(["git", "-C", str(here), "status", "--porcelain", "--untracked-files=no", "--", "."],
-                              capture_output=True, text=True, timeout=5, check=False)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return bool(proc.stdout.strip()) if proc.returncode == 0 else None
+    out = _git("status", "--porcelain", "--untracked-files=no", "--", ".")
+    return None if out is None else bool(out)
 
 
 def environment() -> dict[str, Any]:

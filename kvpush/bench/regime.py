@@ -31,7 +31,7 @@ from kvpush.bench import cli as bench_cli
 from kvpush.bench.calibrate import CalibrationConfig, calibrate
 from kvpush.bench.report import mode_ratio_ci, request_values
 from kvpush.bench.stats import Stat, fmt_ci, p50, p99, verdict
-from kvpush.bench.suite import Fleet, SuiteConfig, bench_args, measure_capacity
+from kvpush.bench.suite import Fleet, SuiteConfig, bench_args, measure_capacity, variant_name
 
 MODES = ("colocated", "pull", "push", "push-layerwise", "auto")
 FIXED = ("pull", "push", "push-layerwise")
@@ -188,7 +188,7 @@ def summarize(cell: Cell, rate: float, runs: dict[str, list[dict]], routes: dict
     if "auto" in runs and forced:
         best = _fastest(forced, modes)
         out["auto_vs_forced"] = {"best": best, **_compare(runs, "auto", best)}
-    variants = [m for m in runs if m.startswith("auto+")]
+    variants = [m for m in runs if variant_name(m) is not None]
     if variants:
         out["variants"] = {v: {"routes": routes_taken(runs[v]),
                                "vs_auto": _compare(runs, v, "auto") if "auto" in runs else None,

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpush.bench.calibrate import CalibrationConfig
+from kvpush.bench.suite import variant_name
 
 
 def markers(grid: str) -> tuple[str, str]:
@@ -98,11 +99,16 @@ def findings(doc: dict[str, Any]) -> str:
     for c in cells:
         each = c.get("auto_vs_each") or {}
         if c["cell"]["prefix"] == "mixed" and each:
-            parts = [f"{m}: TTFT p99 {_ratio_text(r.get('ttft_p99'))}, TPOT p50 {_ratio_text(r.get('tpot_p50'))}"
-                     for m, r in each.items()]
-            out.append(f"- **auto vs each fixed mode on the mixed workload** ({c['name']}): " + "; ".join(parts) + ".")
+            out.append(f"- **auto vs each fixed mode on the mixed workload** ({c['name']}): "
+                       + "; ".join(_each_parts(each)) + ".")
     out += _variant_lines(doc, cells)
     return "\n".join(out)
+
+
+def _each_parts(each: dict[str, dict]) -> list[str]:
+    """'mode: TTFT p99 ..., TPOT p50 ...' per mode compared with."""
+    return [f"{m}: TTFT p99 {_ratio_text(r.get('ttft_p99'))}, TPOT p50 {_ratio_text(r.get('tpot_p50'))}"
+            for m, r in each.items()]
 
 
 def _variant_lines(doc: dict[str, Any], cells: list[dict]) -> list[str]:
@@ -112,14 +118,13 @@ def _variant_lines(doc: dict[str, Any], cells: list[dict]) -> list[str]:
     out = []
     for c in cells:
         for v, s in (c.get("variants") or {}).items():
-            parts = [f"{m}: TTFT p99 {_ratio_text(r.get('ttft_p99'))}, TPOT p50 {_ratio_text(r.get('tpot_p50'))}"
-                     for m, r in (s.get("vs_each") or {}).items()]
+            parts = _each_parts(s.get("vs_each") or {})
             vs = s.get("vs_auto") or {}
             if vs:
                 parts.append(f"auto: TTFT p50 {_ratio_text(vs.get('ttft_p50'))}, TTFT p99 {_ratio_text(vs.get('ttft_p99'))},"
                              f" TPOT p50 {_ratio_text(vs.get('tpot_p50'))}")
             routes = ", ".join(f"{k} {n:.0f}" for k, n in (s.get("routes") or {}).items() if n)
-            out.append(f"- **{v}** (auto with `{shlex.join(flags.get(v.split('+', 1)[1], []))}`) vs each mode "
+            out.append(f"- **{v}** (auto with `{shlex.join(flags.get(variant_name(v) or '', []))}`) vs each mode "
                        f"({c['name']}): " + "; ".join(parts) + f"; routes of its measured requests {routes or '-'}.")
     return out
 

@@ -59,15 +59,21 @@ class SuiteConfig:
     calibrate: bool = False  # run_suite: check the processes first, restart a slow one (bench/calibrate.py)
 
 
+def variant_name(mode: str) -> str | None:
+    """NAME of an auto variant's mode (auto+NAME), else None."""
+    return mode.split("+", 1)[1] if mode.startswith("auto+") else None
+
+
 def is_auto(mode: str) -> bool:
     """auto or a variant of it (auto+NAME): a deployment whose proxy chooses the route."""
-    return mode == "auto" or mode.startswith("auto+")
+    return mode == "auto" or variant_name(mode) is not None
 
 
 def deployment_of(cfg: SuiteConfig, mode: str) -> tuple[str, list[str]]:
     """The --kv-mode and the extra proxy flags of a mode's deployment."""
-    if mode.startswith("auto+"):  # auto's own extra flags first: the variant's override them (the last wins)
-        return "auto", [*cfg.auto_proxy_args, *cfg.auto_variants[mode.split("+", 1)[1]]]
+    name = variant_name(mode)
+    if name is not None:  # auto's own extra flags first: the variant's override them (the last wins)
+        return "auto", [*cfg.auto_proxy_args, *cfg.auto_variants[name]]
     return mode, list(cfg.auto_proxy_args) if mode == "auto" else []
 
 

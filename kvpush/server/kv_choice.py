@@ -125,7 +125,6 @@ class Decision:
     key: PromptKey | None = None
     prefilled: bool = False  # its tokens have left the prefill queue they were counted in
     local_s: float = 0.0  # D's prefill time for it, were it local (the queue not included)
-    p_parts_s: dict[str, float] = field(default_factory=dict)  # P's part of each remote route's estimate
     costs_s: dict[str, float] = field(default_factory=dict)  # what the choice compared
 
     def to_json(self) -> dict:
@@ -191,8 +190,7 @@ class CostModel:
     def estimate(self, route: Route, d: Decision) -> float:
         if route is Route.LOCAL:
             return self.local_line()(d.d_queue + d.tokens - d.d_prefix)
-        p_part = d.p_parts_s[route.value] = self.p_time(route, d, d.p_queue)
-        return p_part + self.rest(d.tokens - d.d_prefix, d.d_running, route.value, d.pair)
+        return self.p_time(route, d, d.p_queue) + self.rest(d.tokens - d.d_prefix, d.d_running, route.value, d.pair)
 
     def p_time(self, route: Route, d: Decision, queue: float) -> float:
         """P's prefill of this request by `route` (a remote route) behind `queue` tokens."""
@@ -232,7 +230,6 @@ class CostModel:
         allowed = allowed or self.routes
         if len(allowed) > 1 and not self.local_allowed(d):
             allowed = tuple(r for r in allowed if r is not Route.LOCAL)
-        d.p_parts_s = {}
         d.estimates_s = {r.value: self.estimate(r, d) for r in allowed}
         self.decisions += 1
         d.costs_s = {r.value: self.cost(r, d) for r in allowed}
