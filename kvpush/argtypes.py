@@ -27,6 +27,11 @@ def non_negative_float(text: str) -> float:
     return _number(text, lambda v: v >= 0, "a number >= 0")
 
 
+def unit_fraction(text: str) -> float:
+    """A number from 0 to 1."""
+    return _number(text, lambda v: 0 <= v <= 1, "a number from 0 to 1")
+
+
 def positive_int(text: str) -> int:
     """A whole number above 0."""
     try:

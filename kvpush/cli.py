@@ -9,7 +9,7 @@ import argparse
 import sys
 from dataclasses import fields
 
-from kvpush.argtypes import non_negative_float, positive_float
+from kvpush.argtypes import non_negative_float, positive_float, unit_fraction
 from kvpush.config import (
     AdmissionConfig,
     CacheConfig,
@@ -199,7 +199,8 @@ def add_proxy_arguments(p: argparse.ArgumentParser) -> None:
     add_auto_arguments(p)
 
 
-AUTO_FLAGS = ("auto_stall_weight", "auto_local_max_ms", "auto_local_share", "auto_local_window_s")
+AUTO_FLAGS = ("auto_stall_weight", "auto_local_max_ms", "auto_local_share", "auto_local_window_s", "auto_near_tie",
+             "auto_residual_alpha")
 
 
 def add_auto_arguments(p: argparse.ArgumentParser) -> None:
@@ -215,6 +216,13 @@ def add_auto_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--auto-local-window-s", type=positive_float,
                    default=_default(ProxyConfig, "auto_local_window_s"),
                    help="--kv-mode auto: the local share is kept over about this long (a burst may use it at once)")
+    p.add_argument("--auto-near-tie", type=non_negative_float, default=_default(ProxyConfig, "auto_near_tie"),
+                   help="--kv-mode auto: when a remote route is the cheapest, another remote route whose cost is "
+                        "within this fraction of its cost is taken once 10 decisions went by without it, so that "
+                        "near ties are measured (0: off)")
+    p.add_argument("--auto-residual-alpha", type=unit_fraction, default=_default(ProxyConfig, "auto_residual_alpha"),
+                   help="--kv-mode auto: weight of the newest answer in a route's correction of its fitted TTFT "
+                        "(the queue ahead left out) by its recent measured/fitted ratio, per prompt size class (0: off)")
 
 
 def cmd_proxy(args: argparse.Namespace) -> int:
@@ -231,7 +239,8 @@ def cmd_proxy(args: argparse.Namespace) -> int:
                          policy=args.policy, api_key=args.api_key, instance_api_key=args.instance_api_key,
                          probe_interval_s=args.probe_interval_s, auto_stall_weight=args.auto_stall_weight,
                          auto_local_max_ms=args.auto_local_max_ms, auto_local_share=args.auto_local_share,
-                         auto_local_window_s=args.auto_local_window_s)
+                         auto_local_window_s=args.auto_local_window_s, auto_near_tie=args.auto_near_tie,
+                         auto_residual_alpha=args.auto_residual_alpha)
     asyncio.run(serve_proxy(config))
     return 0
 

@@ -237,6 +237,14 @@ class ProxyConfig:
     # auto_local_share * auto_local_window_s seconds deep; >= 1: no limit): what they add to TPOT
     auto_local_share: float = 1.0
     auto_local_window_s: float = 10.0
+    # --kv-mode auto: when a remote route is the cheapest, another remote route whose cost is within this
+    # fraction of its cost is taken once 10 decisions went by without it (kv_choice.CostModel.tied): near
+    # ties settled by measuring; 0: off
+    auto_near_tie: float = 0.2
+    # --kv-mode auto: weight of the newest answer in a route's residual correction (the route's recent
+    # log(measured / fitted TTFT, the queue ahead left out) per size class of the uncached prompt,
+    # kv_fit.Residuals); 0: off
+    auto_residual_alpha: float = 0.2
 
 
 def env_str(name: str, default: str | None = None) -> str | None:

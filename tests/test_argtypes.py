@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from kvpush.argtypes import non_negative_float, positive_float, positive_int
+from kvpush.argtypes import non_negative_float, positive_float, positive_int, unit_fraction
 
 
 @pytest.mark.parametrize("text", ["0", "-1", "1.5", "x", ""])
@@ -27,3 +27,21 @@ def test_positive_float_refuses(text: str) -> None:
 
 def test_floats_accept() -> None:
     assert positive_float("0.1") == 0.1 and non_negative_float("0") == 0.0
+
+
+@pytest.mark.parametrize("text", ["-0.1", "1.01", "nan", "inf", "x"])
+def test_unit_fraction_refuses(text: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError, match="from 0 to 1"):
+        unit_fraction(text)
+
+
+def test_the_proxy_takes_autos_near_tie_and_residual_flags() -> None:
+    from kvpush.cli import build_parser
+
+    args = build_parser().parse_args(["proxy", "--prefill", "http://p", "--decode", "http://d", "--kv-mode", "auto",
+                                      "--auto-near-tie", "0", "--auto-residual-alpha", "0.5"])
+    assert (args.auto_near_tie, args.auto_residual_alpha) == (0.0, 0.5)
+    defaults = build_parser().parse_args(["proxy", "--prefill", "http://p", "--decode", "http://d"])
+    assert (defaults.auto_near_tie, defaults.auto_residual_alpha) == (0.2, 0.2)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["proxy", "--prefill", "http://p", "--decode", "http://d", "--auto-residual-alpha", "2"])

@@ -3,23 +3,25 @@ and chat prompts, the choice per route and what it learns from an answer's trace
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from kvpush.server.kv_choice import (
     EXPLORE_EVERY,
     EXPLORE_EVERY_LATER,
     STALE_AFTER,
-    AutoRouter,
+    TIE_EVERY,
     CostModel,
     Decision,
     Line,
     Outcome,
-    PrefixTracker,
-    PromptKey,
     Route,
     outcome,
 )
 from kvpush.server.kv_fit import LocalBudget, RouteFit
+from kvpush.server.kv_prefix import PrefixTracker, PromptKey
+from kvpush.server.kv_router import AutoRouter
 
 BS = 8
 PAIR = ("http://p", "http://d")
@@ -102,8 +104,9 @@ def p_gap(m: CostModel, d: Decision) -> float:
 
 
 def trained(local_s_per_token=0.0004, rest_push=0.010, rest_pull=0.025, local_max_s=10.0,
-            stall_weight=1.0) -> CostModel:
-    m = CostModel(stall_weight=stall_weight, local_max_s=local_max_s)
+            stall_weight=1.0, near_tie=0.0) -> CostModel:
+    """Push and push-layerwise 2 ms apart: a near tie, which these tests leave to the cheapest (near_tie 0)."""
+    m = CostModel(stall_weight=stall_weight, local_max_s=local_max_s, near_tie=near_tie)
     for n in (128, 256, 512, 1024):
         d = decision(tokens=n)
         for route, rest in ((Route.PUSH, rest_push), (Route.PULL, rest_pull), (Route.PUSH_LAYERWISE, rest_push + 0.002)):
@@ -371,7 +374,7 @@ def test_local_budget_limits_zero_and_one():
 
 def test_router_goes_remote_once_ds_local_budget_is_spent_and_local_again_when_it_refills():
     now = [0.0]
-    r = AutoRouter(local_share=0.1, local_window_s=1.0, clock=lambda: now[0])  # 0.1 s of D prefill
+    r = AutoRouter(local_share=0.1, local_window_s=1.0, clock=lambda: now[0], near_tie=0.0)  # 0.1 s of D prefill
     # 40 new tokens: the priors put D's prefill at 16 ms, cheaper than any remote route
     def route(seed: int, p_url: str | None = "http://p") -> Route:
         d = r.decide({"prompt": ids(40, seed=seed)}, p_url, "http://d", 0, BS)
@@ -495,3 +498,125 @@ def test_the_router_counts_the_requests_queued_at_each_p():
     r.prefilled(second)
     r.prefilled(local)
     assert r.decide(body, "http://p", "http://d", 0, BS).p_waiting == 0 and r.waiting["http://d"] == 0
+
+
+def push_biased(near_tie: float) -> CostModel:
+    """A model whose fits put push 10% above push-layerwise at 512 tokens (its old samples), while
+    push is really the faster: 40 ms against push-layerwise's 45 (regime_full14's 128/256 80% cell)."""
+    m = CostModel(near_tie=near_tie)
+    m.samples = dict.fromkeys(Route, 50)  # no exploring in this test
+    for _ in range(60):
+        for route, ttft in ((Route.PUSH, 0.050), (Route.PUSH_LAYERWISE, 0.045)):
+            m.observe(Decision(route, 512, 0, 0, 0, 0, 0, PAIR), Outcome(ttft, 0.030, None, 512, 0))
+    m.decisions = TIE_EVERY  # as if after a few decisions, none of them taking push
+    return m
+
+
+def serve(m: CostModel, n: int, true_ttft: dict[Route, float]) -> list[Route]:
+    """n requests: choose, then learn what the route really took."""
+    routes = []
+    for _ in range(n):
+        d = m.choose(decision(tokens=512), (Route.PUSH, Route.PUSH_LAYERWISE))
+        m.observe(d, Outcome(true_ttft[d.route], 0.030, None, 512, 0))
+        routes.append(d.route)
+    return routes
+
+
+def test_a_near_tie_is_measured_and_a_wrong_ranking_corrects_itself():
+    truth = {Route.PUSH: 0.040, Route.PUSH_LAYERWISE: 0.045}
+    off = serve(push_biased(0.0), 40, truth)
+    assert off.count(Route.PUSH) == 0  # the cheapest by the fits, every time: push's old samples stay
+    m = push_biased(0.2)
+    d = m.choose(decision(tokens=512), (Route.PUSH, Route.PUSH_LAYERWISE))
+    assert d.route is Route.PUSH and d.reason == "near-tie" and d.to_json()["reason"] == "near-tie"
+    assert d.costs_s["push"] > d.costs_s["push-layerwise"]
+    on = serve(m, 40, truth)
+    # measured, push turned out the faster and won; push-layerwise is now the one measured now and then
+    assert on[-TIE_EVERY:].count(Route.PUSH) == TIE_EVERY - 1, on
+    assert on.count(Route.PUSH) >= 20, on
+
+
+def test_a_near_tie_costs_at_most_one_decision_in_tie_every_when_the_ranking_was_right():
+    m = push_biased(0.2)
+    truth = {Route.PUSH: 0.050, Route.PUSH_LAYERWISE: 0.045}  # the fits were right
+    routes = serve(m, 80, truth)  # (no exploring before decision 100)
+    assert routes.count(Route.PUSH) == 80 // TIE_EVERY
+    assert all(r is Route.PUSH_LAYERWISE for i, r in enumerate(routes) if i % TIE_EVERY)
+
+
+def test_no_near_tie_beyond_its_margin_nor_against_a_cheaper_local():
+    m = push_biased(0.05)  # 10% apart: no tie at 5%
+    assert serve(m, 30, {Route.PUSH: 0.050, Route.PUSH_LAYERWISE: 0.045}).count(Route.PUSH) == 0
+    m = trained(stall_weight=1.0)
+    m.near_tie, m.decisions = 10.0, TIE_EVERY  # every remote route "tied", none taken lately
+    d = m.choose(decision(tokens=128))
+    assert d.route is Route.LOCAL and d.reason == "cheapest"  # local is the cheapest, so none is taken
+    d = m.choose(decision(tokens=128, d_running=8))
+    assert d.route is not Route.PUSH and d.reason == "near-tie"  # push is the cheapest: a tied route is taken
+    only = m.choose(decision(tokens=128), (Route.PULL,))
+    assert only.reason == "only"
+    r = AutoRouter()
+    assert r.decide({"prompt": ids(40)}, "http://p", "http://d", 0, BS, forced=Route.PULL).reason == "forced"
+
+
+def test_the_residual_correction_follows_each_routes_own_recent_error_per_size_class():
+    """Push taken alone while its fit lags: measured 20% over the fit at 512 tokens. The correction
+    learns that within a few answers, for 512-token prompts only, and leaves push-layerwise (not
+    taken) and other sizes alone; alpha 0 turns it off."""
+    m = push_biased(0.0)
+    raw = m.choose(decision(tokens=512), (Route.PUSH,)).estimates_s["push"]
+    for _ in range(12):
+        d = m.choose(decision(tokens=512), (Route.PUSH,))
+        m.observe(d, Outcome(raw * 1.2, 0.030, None, 512, 0))
+    d = m.choose(decision(tokens=512), (Route.PUSH, Route.PUSH_LAYERWISE))
+    assert d.estimates_s["push"] == pytest.approx(raw * 1.2, rel=0.03)
+    fit = d.estimates_s["push"] / math.exp(d.residuals["push"])
+    assert fit < raw * 1.12 and d.residuals["push"] > 0.07  # the fit alone is still well behind
+    assert d.residuals["push-layerwise"] == 0.0
+    assert m.choose(decision(tokens=2048), (Route.PUSH,)).residuals["push"] == 0.0  # another size class
+    turn = m.choose(decision(tokens=2048, p_prefix=1536, d_prefix=1536), (Route.PUSH,))  # 512 uncached: same class
+    assert turn.residuals["push"] == d.residuals["push"]
+    assert d.to_json()["residuals"]["push"] == pytest.approx(d.residuals["push"], abs=1e-4)
+    off = push_biased(0.0)
+    off.residual.alpha = 0.0
+    for _ in range(5):
+        d = off.choose(decision(tokens=512), (Route.PUSH,))
+        off.observe(d, Outcome(0.5, 0.030, None, 512, 0))
+    assert off.choose(decision(tokens=512), (Route.PUSH,)).residuals["push"] == 0.0
+
+
+def test_the_residual_correction_is_bounded_and_scales_no_queue():
+    m = push_biased(0.0)
+    for _ in range(3):  # stalls: 10x and 1000x the fit, and garbage
+        for ttft in (10.0, 1000.0, math.nan):
+            d = m.choose(decision(tokens=512), (Route.PUSH,))
+            m.observe(d, Outcome(ttft, 0.030, None, 512, 0))
+    assert m.residual((Route.PUSH, 9)) <= math.log(2.0) and math.isfinite(m.residual((Route.PUSH, 9)))
+    one = push_biased(0.0)
+    d = one.choose(decision(tokens=512), (Route.PUSH,))
+    one.observe(d, Outcome(1000.0, 0.030, None, 512, 0))  # one stalled answer moves it alpha x log 2 at most
+    assert one.residual((Route.PUSH, 9)) == pytest.approx(one.residual.alpha * math.log(2.0))
+    # a long queue at P: push and push-layerwise wait in it alike; the corrections scale their own parts only
+    m = push_biased(0.0)
+    m.residual.values[(Route.PUSH, 9)] = 0.15
+    queued = decision(tokens=512, p_queue=20000)
+    queued = m.choose(queued, (Route.PUSH, Route.PUSH_LAYERWISE))
+    plain = decision(tokens=512)
+    plain = m.choose(plain, (Route.PUSH, Route.PUSH_LAYERWISE))
+    assert queued.queue_s["push"] > 1.0
+    assert queued.queue_s["push"] == pytest.approx(queued.queue_s["push-layerwise"], rel=0.05)
+    gap = queued.estimates_s["push"] - queued.estimates_s["push-layerwise"]
+    assert gap == pytest.approx(plain.estimates_s["push"] - plain.estimates_s["push-layerwise"], abs=0.01)
+
+
+def test_local_is_corrected_by_its_own_error_and_its_stall_is_not():
+    m = trained()
+    d = m.choose(decision(tokens=128))
+    assert d.route is Route.LOCAL and d.residuals["local"] == 0.0
+    for _ in range(20):
+        d = m.choose(decision(tokens=128), (Route.LOCAL,))
+        m.observe(d, Outcome(1.5 * d.estimates_s["local"] / math.exp(d.residuals["local"]), None, 0.1, 128, 0))
+    busy = m.choose(decision(tokens=128, d_running=2))
+    assert busy.residuals["local"] == pytest.approx(math.log(1.5), rel=0.1)
+    assert busy.costs_s["local"] - busy.estimates_s["local"] == pytest.approx(2 * m.local_s(busy))  # weight 1
+    assert m.residual((Route.PUSH, 7)) == 0.0

@@ -58,6 +58,14 @@ Estimates and costs (seconds):
                a token bucket per D of the prefill time local requests may take, kv_fit.LocalBudget,
                charged each local dispatch's estimate), which bounds what local prefills add to the
                TPOT of D's decoding requests
+    residual   each route's estimate is the fits' queue ahead of it plus the fits' own part times
+               exp(residual[route, size class]): the average of log(measured / fitted own part) over the
+               route's recent answers of that size (uncached tokens to the nearest power of two; any
+               pair), the newest weighted residual_alpha (kv_fit.Residuals). The stall local charges
+               and P's delay to others are not corrected
+The cheapest route wins, but a remote route whose cost is within near_tie of the cheapest's (a remote
+route) and that no decision took for TIE_EVERY decisions takes this one (`tied`): near ties are
+measured, not left to the fits' differences between routes.
 Every EXPLORE_EVERY-th decision (every EXPLORE_EVERY_LATER-th once each route has WELL_MEASURED
 samples and none has gone STALE_AFTER decisions without being taken) takes another route instead:
 the one with the fewest samples while some route has fewer than WELL_MEASURED, else the one taken
@@ -79,19 +87,20 @@ Not used: descriptor count (pull's READ cost grows with fragmented KV; on one ho
 from __future__ import annotations
 
 import math
-import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
 from kvpush.config import ProxyConfig
-from kvpush.server.kv_fit import Line, LocalBudget, RouteFit
-from kvpush.server.kv_prefix import CHARS_PER_UNIT, PrefixTracker, PromptKey
+from kvpush.server.kv_fit import Line, Residuals, RouteFit
+from kvpush.server.kv_prefix import CHARS_PER_UNIT, PromptKey
 
 EXPLORE_EVERY = 20  # while some route has fewer than WELL_MEASURED samples
 EXPLORE_EVERY_LATER = 100
 WELL_MEASURED = 8
 STALE_AFTER = 150  # decisions: ~3-5 half-lives of the remote fits (30, 50 answers) while requests keep coming
+TIE_EVERY = 10  # decisions: a near-tied remote route is taken at least this often
+NEAR_TIE = ProxyConfig.auto_near_tie
+RESIDUAL_ALPHA = ProxyConfig.auto_residual_alpha
 PRIOR_TOKENS_PER_CHAR = 0.25
 STALL_WEIGHT = ProxyConfig.auto_stall_weight
 
@@ -126,14 +135,18 @@ class Decision:
     prefilled: bool = False  # its tokens have left the prefill queue they were counted in
     local_s: float = 0.0  # D's prefill time for it, were it local (the queue not included)
     costs_s: dict[str, float] = field(default_factory=dict)  # what the choice compared
+    reason: str = "cheapest"  # cheapest | explore | near-tie | forced | only (no other route allowed)
+    residuals: dict[str, float] = field(default_factory=dict)  # the log-ratio corrections in the estimates
+    queue_s: dict[str, float] = field(default_factory=dict)  # the queue ahead, in each estimate (not corrected)
 
     def to_json(self) -> dict:
         """What the request's answer says about it (`kvpush_route`)."""
-        return {"route": self.route.value, "forced": self.forced, "tokens": round(self.tokens),
+        return {"route": self.route.value, "forced": self.forced, "reason": self.reason, "tokens": round(self.tokens),
                 "d_prefix_tokens": round(self.d_prefix), "p_prefix_tokens": round(self.p_prefix),
                 "p_waiting": self.p_waiting, "d_running": self.d_running,
                 "p_queue_tokens": round(self.p_queue), "d_queue_tokens": round(self.d_queue),
                 "estimates_ms": {r: round(s * 1e3, 2) for r, s in self.estimates_s.items()},
+                "residuals": {r: round(v, 4) for r, v in self.residuals.items()},
                 "costs_ms": {r: round(s * 1e3, 2) for r, s in self.costs_s.items()}}
 
 
@@ -150,9 +163,11 @@ class Outcome:
 
 class CostModel:
     def __init__(self, routes: tuple[Route, ...] = tuple(Route), stall_weight: float = STALL_WEIGHT,
-                 local_max_s: float = 0.064) -> None:
+                 local_max_s: float = 0.064, near_tie: float = NEAR_TIE, residual_alpha: float = RESIDUAL_ALPHA) -> None:
         self.routes = routes
         self.stall_weight = stall_weight
+        self.near_tie = near_tie
+        self.residual = Residuals(residual_alpha)  # (remote route, size class) -> log(measured / fitted TTFT)
         self.local_max_s = local_max_s
         self.tokens_per_char = PRIOR_TOKENS_PER_CHAR
         remote = (Route.PUSH.value, Route.PUSH_LAYERWISE.value, Route.PULL.value)
@@ -188,9 +203,23 @@ class CostModel:
         return Line(0.0, self.prefill.slope())
 
     def estimate(self, route: Route, d: Decision) -> float:
+        """TTFT by `route`: the queue ahead of it (P's, or D's local one) as the fits put it, plus the
+        request's own part corrected by the route's residual (the queue is shared by every route that
+        waits in it: scaled by one route's error, a long queue would open a gap no route has)."""
+        queue, own = self.parts(route, d)
+        r = d.residuals[route.value] = self.residual((route, size_class(d)))
+        d.queue_s[route.value] = queue
+        return queue + own * math.exp(r)
+
+    def parts(self, route: Route, d: Decision) -> tuple[float, float]:
+        """The fits' (queue ahead, own part) of this request's TTFT by `route`."""
         if route is Route.LOCAL:
-            return self.local_line()(d.d_queue + d.tokens - d.d_prefix)
-        return self.p_time(route, d, d.p_queue) + self.rest(d.tokens - d.d_prefix, d.d_running, route.value, d.pair)
+            line, uncached = self.local_line(), d.tokens - d.d_prefix
+            alone = line(uncached)
+            return max(line(d.d_queue + uncached) - alone, 0.0), alone
+        alone = self.p_time(route, d, 0.0)
+        queue = max(self.p_time(route, d, d.p_queue) - alone, 0.0)
+        return queue, alone + self.rest(d.tokens - d.d_prefix, d.d_running, route.value, d.pair)
 
     def p_time(self, route: Route, d: Decision, queue: float) -> float:
         """P's prefill of this request by `route` (a remote route) behind `queue` tokens."""
@@ -233,10 +262,29 @@ class CostModel:
         d.estimates_s = {r.value: self.estimate(r, d) for r in allowed}
         self.decisions += 1
         d.costs_s = {r.value: self.cost(r, d) for r in allowed}
-        explore = self.to_explore(allowed, d.costs_s)
-        d.route = explore or min(allowed, key=lambda r: d.costs_s[r.value])
+        explore, tie = self.to_explore(allowed, d.costs_s), self.tied(allowed, d.costs_s)
+        d.route = explore or tie or min(allowed, key=lambda r: d.costs_s[r.value])
+        d.reason = ("forced" if d.forced else "only" if len(allowed) == 1 else "explore" if explore
+                    else "near-tie" if tie else "cheapest")
         self.taken_at[d.route] = self.decisions
         return d
+
+    def tied(self, allowed: tuple[Route, ...], costs: dict[str, float]) -> Route | None:
+        """A remote route whose cost is within near_tie of the cheapest's (a remote route) and that no
+        decision took for TIE_EVERY decisions, the one taken least recently; else None. The fits know
+        the differences between remote routes only to about that much (a route taken alone for a
+        while is estimated 10-20% low, the others rest on older samples), so a near tie is settled by
+        measuring both: each near-tied route gets a sample at least every TIE_EVERY decisions, and a
+        wrong ranking corrects itself within a few of them instead of in ~160 (the explore rate)."""
+        if self.near_tie <= 0 or len(allowed) < 2:
+            return None
+        best = min(allowed, key=lambda r: costs[r.value])
+        limit = costs[best.value] * (1.0 + self.near_tie)
+        ties = [r for r in allowed if r.remote and r is not best and costs[r.value] <= limit
+                and self.decisions - self.taken_at[r] >= TIE_EVERY]
+        if not best.remote or not ties:
+            return None
+        return min(ties, key=lambda r: (self.taken_at[r], costs[r.value]))
 
     def to_explore(self, allowed: tuple[Route, ...], costs: dict[str, float]) -> Route | None:
         """The route this decision explores, or None (see the module docstring); ties go to the cheaper."""
@@ -259,7 +307,7 @@ class CostModel:
             self.tokens_per_char += 0.1 * (ratio - self.tokens_per_char)
         tokens = float(out.prompt_tokens) if out.prompt_tokens is not None else d.tokens
         moved = tokens - (out.d_cached_tokens if out.d_cached_tokens is not None else d.d_prefix)
-        if out.ttft_s is None:
+        if out.ttft_s is None or not math.isfinite(out.ttft_s):
             return None
         self.samples[d.route] += 1
         if d.route is Route.LOCAL:
@@ -270,7 +318,19 @@ class CostModel:
             self.prefill.add(d.p_queue + own, 0.0, out.p_time_s, d.route.value, (d.pair[0], ""), own)
             self.rest.add(moved, d.d_running, max(out.ttft_s - out.p_time_s, 0.0), d.route.value, d.pair)
         est = d.estimates_s.get(d.route.value)
-        return out.ttft_s / est if est and math.isfinite(est) and est > 0 else None
+        if not (est and math.isfinite(est) and est > 0):
+            return None
+        queue = d.queue_s.get(d.route.value, 0.0)
+        own, measured_own = est - queue, out.ttft_s - queue
+        if own > 0 and measured_own > 0:  # the fits' error on the own part, without the correction made then
+            self.residual.add((d.route, size_class(d)), math.log(measured_own / own) + d.residuals.get(d.route.value, 0.0))
+        return out.ttft_s / est
+
+
+def size_class(d: Decision) -> int:
+    """The size class of a request for the residual corrections: the larger of its uncached parts (on P
+    or on D) in tokens, to the nearest power of two (128, 512 and 2,048 tokens are two classes apart)."""
+    return round(math.log2(max(d.tokens - min(d.p_prefix, d.d_prefix), 1.0)))
 
 
 def outcome(trace: dict | None, prompt: dict | None) -> Outcome:
@@ -289,90 +349,3 @@ def outcome(trace: dict | None, prompt: dict | None) -> Outcome:
     tokens, cached = p.get("tokens"), p.get("cached_tokens")
     return Outcome(ttft, span("p_api_received", "p_prefill_done"), d_part,
                    tokens if isinstance(tokens, int) else None, cached if isinstance(cached, int) else None)
-
-
-class AutoRouter:
-    """The proxy's side of --kv-mode auto: decides, keeps the per-instance prefix trackers and queued
-    prefill tokens, and learns from answers. Instances are named by URL."""
-
-    def __init__(self, stall_weight: float = STALL_WEIGHT, local_max_s: float = 0.064, local_share: float = 1.0,
-                 local_window_s: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
-        self.model = CostModel(stall_weight=stall_weight, local_max_s=local_max_s)
-        self.budget = LocalBudget(local_share, local_window_s)
-        self.clock = clock
-        self.trackers: dict[str, PrefixTracker] = {}
-        self.queued: dict[str, float] = {}  # url -> prompt tokens still to prefill there
-        self.waiting: dict[str, int] = {}  # url -> requests whose prefill is still queued or running there
-        self.pending: dict[str, int] = {}  # D url -> its requests whose prefill is not done yet
-
-    def tracker(self, url: str) -> PrefixTracker:
-        return self.trackers.setdefault(url, PrefixTracker())
-
-    def forget(self, url: str) -> None:
-        """The instance restarted: its prefix cache is empty."""
-        self.trackers.pop(url, None)
-
-    def decide(self, body: dict, p_url: str | None, d_url: str, d_in_flight: int, block_size: int,
-               forced: Route | None = None) -> Decision:
-        """The route for this request on this (P, D) pair; no P (none usable): local. d_in_flight: the
-        proxy's requests on D (this one not included)."""
-        key = PromptKey.of(body, block_size)
-        m = self.model
-        p_prefix = m.prefix_tokens(key, self.tracker(p_url).matched(key)) if p_url else 0.0
-        decoding = max(d_in_flight - self.pending.get(d_url, 0), 0)
-        d = Decision(Route.LOCAL, m.tokens(key), p_prefix, m.prefix_tokens(key, self.tracker(d_url).matched(key)),
-                     self.queued.get(p_url or "", 0.0), self.queued.get(d_url, 0.0), decoding,
-                     (p_url or "", d_url), self.waiting.get(p_url or "", 0), key=key)
-        d.local_s = m.local_s(d)
-        if forced is not None:
-            d.forced = True
-            return m.choose(d, (forced,))
-        if not p_url:
-            return m.choose(d, (Route.LOCAL,))
-        spent = not self.budget.allows(d_url, d.local_s, self.clock())
-        return m.choose(d, tuple(r for r in m.routes if r.remote) if spent else m.routes)
-
-    def dispatched(self, d: Decision) -> None:
-        """The legs are on their way: count the prefill they queue, remember what each instance holds."""
-        p_url, d_url = d.pair
-        url = p_url if d.route.remote else d_url
-        self.queued[url] = self.queued.get(url, 0.0) + d.tokens
-        self.waiting[url] = self.waiting.get(url, 0) + 1
-        self.pending[d_url] = self.pending.get(d_url, 0) + 1
-        if not d.route.remote:
-            self.budget.charge(d_url, d.local_s, self.clock())
-        if d.key is not None:
-            self.tracker(d_url).record(d.key)
-            if d.route.remote:
-                self.tracker(p_url).record(d.key)
-
-    def prefilled(self, d: Decision) -> None:
-        """P answered (remote) or D's first token exists (local), or the leg failed or ended (the
-        proxy's end_leg: a push answer D finished before P's HTTP answer arrived): not queued.
-        Idempotent: a decision's tokens leave the queue once."""
-        if d.prefilled:
-            return
-        d.prefilled = True
-        url = d.pair[0] if d.route.remote else d.pair[1]
-        left = self.queued.get(url, 0.0) - d.tokens
-        self.queued[url] = left if left > 1e-6 else 0.0
-        self.waiting[url] = max(self.waiting.get(url, 0) - 1, 0)
-        self.pending[d.pair[1]] = max(self.pending.get(d.pair[1], 0) - 1, 0)
-
-    def rerouted(self, d: Decision, d_url: str) -> None:
-        """Pull: D refused the leg and another D takes it: learn and track for that one. (The proxy
-        reroutes after P answered, so the decision is no longer pending; moving a pending count keeps
-        the bookkeeping right for any caller that reroutes earlier.)"""
-        if not d.prefilled:
-            self.pending[d.pair[1]] = max(self.pending.get(d.pair[1], 0) - 1, 0)
-            self.pending[d_url] = self.pending.get(d_url, 0) + 1
-        d.pair = (d.pair[0], d_url)
-        if d.key is not None:
-            self.tracker(d_url).record(d.key)
-
-    def finished(self, d: Decision, trace: dict | None, prompt: dict | None) -> float | None:
-        """Learn from the answer; measured / estimated TTFT, or None. An answer D recomputed after a
-        failed transfer (kv_fallback_local) teaches nothing about its route."""
-        if isinstance(trace, dict) and "kv_fallback_local" in trace:
-            return None
-        return self.model.observe(d, outcome(trace, prompt))

@@ -7,10 +7,15 @@
                 moved, load: the requests decoding on D), so that a rising load raises every route's
                 estimate, not only the one measured under it, and c, k, h, e are the differences between
                 routes and pairs, measured side by side against a fixed baseline route
+    Residuals   log(measured / fitted) per key (auto: per route and prompt size class), an
+                exponentially weighted average over that key's own answers
     LocalBudget a token bucket per D of the time its local prefills may take (auto's local route)
 """
 
 from __future__ import annotations
+
+import math
+from collections.abc import Hashable
 
 import numpy as np
 
@@ -155,6 +160,36 @@ class RouteFit:
         if self.pair_n.get(pair, 0) < 2:  # an unmeasured pair: as the first pair
             f[self._pair0 :] = 0.0
         return max(float(f @ coef), 0.0)
+
+
+class Residuals:
+    """How far a fit's estimates fell from what was measured, per key: log(measured / fitted), averaged
+    over the key's own answers with the newest weighted `alpha` (0: always 0); each answer's log-ratio
+    and the average are bounded to +-log 2 (one stalled answer moves it at most alpha x log 2), and a
+    ratio that is not a finite number is ignored.
+
+    Why auto needs it: its fits are one decayed least squares over every route's answers (RouteFit,
+    half-life 30-50 answers of any route), so the route taken alone for a while was estimated 10-20%
+    low in the regime map's cells (the cheapest of noisy estimates tends to be an underestimate, and
+    the fits follow a new load slowly), while a route not taken keeps older samples. Corrected by its
+    own recent error, each route is compared by what it was last measured to do; as the fits catch
+    up, the error and so the correction fade."""
+
+    LIMIT = math.log(2.0)
+
+    def __init__(self, alpha: float) -> None:
+        self.alpha = alpha
+        self.values: dict[Hashable, float] = {}
+
+    def __call__(self, key: Hashable) -> float:
+        return self.values.get(key, 0.0)
+
+    def add(self, key: Hashable, log_ratio: float) -> None:
+        if self.alpha <= 0 or not math.isfinite(log_ratio):
+            return
+        old = self.values.get(key, 0.0)
+        x = min(max(log_ratio, -self.LIMIT), self.LIMIT)
+        self.values[key] = min(max(old + self.alpha * (x - old), -self.LIMIT), self.LIMIT)
 
 
 class LocalBudget:

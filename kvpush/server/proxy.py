@@ -7,7 +7,7 @@ transfer_id, then
     pull: send P's leg, wait for its PrefillResult, forward it to D (DecodeLegParams with P's
           block ids); stream D's answer back.
     auto: per request one of push, push-layerwise, pull, or local (D alone prefills the plain
-          request), chosen by kv_choice.AutoRouter's cost model; with no usable P, local. A client
+          request), chosen by kv_router.AutoRouter (kv_choice.py's cost model); with no usable P, local. A client
           may name the route (header X-KVPush-KV-Mode). The answer says which (kvpush_route).
 A completions request with several prompts is one such dispatch per prompt (proxy_batch.py).
 If a leg fails, the client gets that leg's error (OpenAI error JSON) and the other leg is
@@ -34,7 +34,8 @@ from kvpush import kv_params as kp
 from kvpush.config import KVMode, ProxyConfig
 from kvpush.server import proxy_batch
 from kvpush.server import responses as R
-from kvpush.server.kv_choice import AutoRouter, Route
+from kvpush.server.kv_choice import Route
+from kvpush.server.kv_router import AutoRouter
 from kvpush.server.proxy_legs import (
     DecodeUnavailable,
     Dispatch,
@@ -69,7 +70,9 @@ class Proxy(InstancePool):
         self.config = config
         self.metrics = ProxyMetrics()
         self.auto = (AutoRouter(config.auto_stall_weight, config.auto_local_max_ms / 1e3, config.auto_local_share,
-                                config.auto_local_window_s) if config.kv_mode is KVMode.AUTO else None)
+                                config.auto_local_window_s, near_tie=config.auto_near_tie,
+                                residual_alpha=config.auto_residual_alpha)
+                     if config.kv_mode is KVMode.AUTO else None)
         self.session: aiohttp.ClientSession | None = None
         self._prober: asyncio.Task | None = None
 
