@@ -1,0 +1,176 @@
+"""Replay `--kv-mode auto`'s cost model over the answers of a regime map's auto runs: offline, seconds.
+
+    python benchmarks/replay_auto.py kvpush-results/regime_full15
+    python benchmarks/replay_auto.py kvpush-results/regime_full15 --mode auto_old --near-tie 0 --residual-alpha 0
+    python benchmarks/replay_auto.py kvpush-results/regime_full15 --residual-alpha 0 --json replay.json
+
+A way to compare cost-model settings without an hour of grid per setting. Every measured request of
+the mode's runs (the regime map's run JSONs, `<mode>-rate*.json`, every cell) is fed to a fresh
+CostModel in the order its proxy saw them: decided when the proxy received it, with the inputs its
+answer recorded (`kvpush_route`: tokens, prefixes, the prompt tokens queued at P and at D, the
+requests waiting at P and decoding on D) and the routes the proxy compared then; learned when its
+answer ended, by the route it took, so that the model learns the same samples as the proxy did.
+Per cell it reports:
+    est err    median |log(measured / estimate)| of the taken route's TTFT: how well the settings
+               predict what was measured (the proxy's own estimates in the column "as run")
+    picks      the route the replayed model finds cheapest (no exploring, no near ties), counted,
+               against the cell's best fixed mode by TTFT p50 (regime_map.json's auto_vs_best)
+    agree      the share of decisions whose cheapest route is that best fixed mode
+What a replay cannot tell: what a route not taken would have measured (it re-scores the samples the
+run took; a model that picks other routes would have seen other samples), nor the calibration probes
+and warm-up requests the proxy also learned from (they are not in the run JSONs), so even the
+settings of the run do not reproduce its estimates exactly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from kvpush.argtypes import non_negative_float, unit_fraction  # noqa: E402
+from kvpush.server.kv_choice import CostModel, Decision, Route, outcome  # noqa: E402
+
+PAIR = ("p", "d")  # the regime map deploys 1P1D: one pair
+
+
+@dataclass
+class CellReplay:
+    name: str
+    best: str | None
+    errors: list[float] = field(default_factory=list)  # |log(measured / replayed estimate)|
+    run_errors: list[float] = field(default_factory=list)  # |log(measured / the run's estimate)|
+    picks: Counter = field(default_factory=Counter)
+
+    def summary(self) -> dict:
+        n = sum(self.picks.values())
+        return {"cell": self.name, "best": self.best, "decisions": n,
+                "est_err": _median(self.errors), "est_err_as_run": _median(self.run_errors),
+                "picks": dict(self.picks), "agree": self.picks[self.best] / n if n and self.best else None}
+
+
+def _median(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+def cell_key(config: dict) -> tuple[int, int, str, float]:
+    prefix = "none" if config.get("dataset") == "random" else str(config.get("dataset"))
+    return int(config["input_len"]), int(config["output_len"]), prefix, round(float(config["request_rate"]), 4)
+
+
+def cells_of(result_dir: Path) -> dict[tuple[int, int, str, float], tuple[str, str | None]]:
+    """(input, output, prefix, rate) -> (cell name, best fixed mode) from the map's regime_map.json."""
+    doc = json.loads((result_dir / "regime_map.json").read_text())
+    out = {}
+    for c in doc.get("cells", []):
+        cell = c["cell"]
+        key = int(cell["input_len"]), int(cell["output_len"]), cell["prefix"], round(float(c["rate"]), 4)
+        out[key] = (c["name"], (c.get("auto_vs_best") or {}).get("best"))
+    return out
+
+
+def decision_of(route: dict) -> Decision:
+    """The proxy's decision as its answer recorded it (kvpush_route), to be re-estimated."""
+    d = Decision(Route(route["route"]), float(route["tokens"]), float(route.get("p_prefix_tokens", 0)),
+                 float(route.get("d_prefix_tokens", 0)), float(route.get("p_queue_tokens", 0)),
+                 float(route.get("d_queue_tokens", 0)), int(route.get("d_running", 0)), PAIR,
+                 int(route.get("p_waiting", 0)))
+    d.forced = bool(route.get("forced"))
+    return d
+
+
+def events(runs: list[dict]) -> list[tuple[float, int, dict, dict]]:
+    """(time, 0 = decided / 1 = answered, request, run config), in the order the proxy saw them."""
+    out = []
+    for doc in runs:
+        for q in doc.get("requests") or ():
+            trace, route = q.get("kvpush_trace"), q.get("kvpush_route")
+            if not q.get("success") or not isinstance(trace, dict) or not isinstance(route, dict):
+                continue
+            received = trace.get("proxy_received")
+            if not isinstance(received, (int, float)) or q.get("e2el_s") is None:
+                continue
+            out.append((float(received), 0, q, doc["config"]))
+            out.append((float(q["sent_unix"]) + float(q["e2el_s"]), 1, q, doc["config"]))
+    out.sort(key=lambda e: (e[0], e[1]))
+    return out
+
+
+def replay(runs: list[dict], cells: dict, model: CostModel) -> list[CellReplay]:
+    results: dict[str, CellReplay] = {}
+    pending: dict[int, Decision] = {}
+    for _, kind, q, config in events(runs):
+        name, best = cells.get(cell_key(config), (f"{config['input_len']}/{config['output_len']} ?", None))
+        cell = results.setdefault(name, CellReplay(name, best))
+        route = q["kvpush_route"]
+        if kind == 0:
+            d = decision_of(route)
+            allowed = [Route(r) for r in route.get("estimates_ms", {})] or [d.route]
+            d.estimates_s = {r.value: model.estimate(r, d) for r in allowed}
+            d.costs_s = {r.value: model.cost(r, d) for r in allowed}
+            cell.picks[min(allowed, key=lambda r: d.costs_s[r.value]).value] += 1
+            pending[id(q)] = d
+            continue
+        d = pending.pop(id(q))
+        measured, est = q.get("ttft_s"), d.estimates_s.get(d.route.value)
+        as_run = route.get("estimates_ms", {}).get(d.route.value)
+        if measured and est and est > 0:
+            cell.errors.append(abs(math.log(measured / est)))
+        if measured and as_run and as_run > 0:
+            cell.run_errors.append(abs(math.log(measured * 1e3 / as_run)))
+        model.observe(d, outcome(q["kvpush_trace"], None))
+    return list(results.values())
+
+
+def load_runs(result_dir: Path, mode: str) -> list[dict]:
+    files = sorted(result_dir.glob(f"runs/*/{mode}-rate*.json"))
+    if not files:
+        raise SystemExit(f"replay_auto: no runs/*/{mode}-rate*.json under {result_dir}")
+    return [json.loads(f.read_text()) for f in files]
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| cell | best fixed | decisions | est err (replay) | est err (as run) | replay's cheapest | agree |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        picks = ", ".join(f"{k} {v}" for k, v in sorted(r["picks"].items(), key=lambda kv: -kv[1]))
+        err = "-" if r["est_err"] is None else f"{r['est_err']:.3f}"
+        run = "-" if r["est_err_as_run"] is None else f"{r['est_err_as_run']:.3f}"
+        agree = "-" if r["agree"] is None else f"{r['agree']:.0%}"
+        lines.append(f"| {r['cell']} | {r['best'] or '-'} | {r['decisions']} | {err} | {run} | {picks} | {agree} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("result_dir", type=Path, help="a regime map's --result-dir (its regime_map.json and runs/)")
+    ap.add_argument("--mode", default="auto", help="whose runs: auto, or an auto variant's file prefix (auto_NAME)")
+    ap.add_argument("--stall-weight", type=non_negative_float, default=None)
+    ap.add_argument("--near-tie", type=non_negative_float, default=None, help="(kept in the model; the replay's "
+                    "pick is the cheapest route, so it changes nothing here)")
+    ap.add_argument("--residual-alpha", type=unit_fraction, default=None)
+    ap.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    args = ap.parse_args(argv)
+    kwargs = {k: v for k, v in (("stall_weight", args.stall_weight), ("near_tie", args.near_tie),
+                                ("residual_alpha", args.residual_alpha)) if v is not None}
+    rows = [c.summary() for c in replay(load_runs(args.result_dir, args.mode), cells_of(args.result_dir),
+                                        CostModel(**kwargs))]
+    print(table(rows))
+    errs = [r["est_err"] for r in rows if r["est_err"] is not None]
+    agree = [r["agree"] for r in rows if r["agree"] is not None]
+    print(f"\nmedian over cells: est err {statistics.median(errs):.3f}" if errs else "")
+    print(f"cells whose cheapest route is the best fixed mode in most decisions: {sum(a > 0.5 for a in agree)} of {len(agree)}")
+    if args.json:
+        args.json.write_text(json.dumps({"settings": kwargs, "cells": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
