@@ -574,8 +574,8 @@ def test_the_residual_correction_follows_each_routes_own_recent_error_per_size_c
     assert fit < raw * 1.12 and d.residuals["push"] > 0.07  # the fit alone is still well behind
     assert d.residuals["push-layerwise"] == 0.0
     assert m.choose(decision(tokens=2048), (Route.PUSH,)).residuals["push"] == 0.0  # another size class
-    turn = m.choose(decision(tokens=2048, p_prefix=1536, d_prefix=1536), (Route.PUSH,))  # 512 uncached: same class
-    assert turn.residuals["push"] == d.residuals["push"]
+    turn = m.choose(decision(tokens=2048, p_prefix=1536, d_prefix=1536), (Route.PUSH,))  # D holds a prefix: apart
+    assert turn.residuals["push"] == 0.0
     assert d.to_json()["residuals"]["push"] == pytest.approx(d.residuals["push"], abs=1e-4)
     off = push_biased(0.0)
     off.residual.alpha = 0.0
@@ -591,14 +591,14 @@ def test_the_residual_correction_is_bounded_and_scales_no_queue():
         for ttft in (10.0, 1000.0, math.nan):
             d = m.choose(decision(tokens=512), (Route.PUSH,))
             m.observe(d, Outcome(ttft, 0.030, None, 512, 0))
-    assert m.residual((Route.PUSH, 9)) <= math.log(2.0) and math.isfinite(m.residual((Route.PUSH, 9)))
+    assert m.residual((Route.PUSH, 9, False)) <= math.log(2.0) and math.isfinite(m.residual((Route.PUSH, 9, False)))
     one = push_biased(0.0)
     d = one.choose(decision(tokens=512), (Route.PUSH,))
     one.observe(d, Outcome(1000.0, 0.030, None, 512, 0))  # one stalled answer moves it alpha x log 2 at most
-    assert one.residual((Route.PUSH, 9)) == pytest.approx(one.residual.alpha * math.log(2.0))
+    assert one.residual((Route.PUSH, 9, False)) == pytest.approx(one.residual.alpha * math.log(2.0))
     # a long queue at P: push and push-layerwise wait in it alike; the corrections scale their own parts only
     m = push_biased(0.0)
-    m.residual.values[(Route.PUSH, 9)] = 0.15
+    m.residual.values[(Route.PUSH, 9, False)] = 0.15
     queued = decision(tokens=512, p_queue=20000)
     queued = m.choose(queued, (Route.PUSH, Route.PUSH_LAYERWISE))
     plain = decision(tokens=512)
@@ -619,4 +619,27 @@ def test_local_is_corrected_by_its_own_error_and_its_stall_is_not():
     busy = m.choose(decision(tokens=128, d_running=2))
     assert busy.residuals["local"] == pytest.approx(math.log(1.5), rel=0.1)
     assert busy.costs_s["local"] - busy.estimates_s["local"] == pytest.approx(2 * m.local_s(busy))  # weight 1
-    assert m.residual((Route.PUSH, 7)) == 0.0
+    assert m.residual((Route.PUSH, 7, False)) == 0.0
+
+
+def test_session_turns_and_fresh_prompts_have_rest_fits_of_their_own():
+    """regime_full15's shape: a session turn's handover (D holds its prefix) grows 3 ms per request
+    decoding on D, a fresh prompt's 0.5 ms. Turns measured at load do not price fresh prompts."""
+    m = CostModel(residual_alpha=0.0)
+    m.samples = dict.fromkeys(Route, 50)
+
+    def p_time(own: int) -> float:
+        return 0.005 + 0.0004 * own
+
+    for i in range(60):  # fresh prompts, D lightly loaded
+        load = i % 3
+        d = Decision(Route.PUSH, 128, 0, 0, 0, 0, load, PAIR)
+        m.observe(d, Outcome(p_time(128) + 0.004 + 0.0005 * load, p_time(128), None, 128, 0))
+    for i in range(60):  # then session turns at load: 64 new tokens, P and D hold the rest
+        load = 4 + i % 6
+        d = Decision(Route.PUSH, 512, 448, 448, 0, 0, load, PAIR)
+        m.observe(d, Outcome(p_time(64) + 0.010 + 0.003 * load, p_time(64), None, 512, 448))
+    fresh = m.choose(Decision(Route.PUSH, 128, 0, 0, 0, 0, 10, PAIR), (Route.PUSH,))
+    assert fresh.estimates_s["push"] == pytest.approx(p_time(128) + 0.004 + 0.0005 * 10, abs=0.003)
+    turn = m.choose(Decision(Route.PUSH, 512, 448, 448, 0, 0, 10, PAIR), (Route.PUSH,))
+    assert turn.estimates_s["push"] == pytest.approx(p_time(64) + 0.010 + 0.003 * 10, abs=0.003)

@@ -35,7 +35,12 @@ Learned fits, from every finished request's trace (decayed least squares):
                         (kv_fit.RouteFit), so that D's load moves every route's estimate at once, routes
                         and pairs differ by what was measured of them, and pull (whose D admits the
                         request and posts its READ between its decode steps) can grow faster with D's
-                        load than push (prior: +2 ms per decoding request)
+                        load than push (prior: +2 ms per decoding request). Two such fits: one for fresh
+                        prompts, one for prompts D holds a prefix of (d_prefix > 0: session turns), whose
+                        handover grows with D's load several times faster (regime_full15's 128/256 cells,
+                        push's rest 12 -> 30 ms from 0-2 to 6-8 requests decoding on D, fresh: 3 -> 9): in
+                        one fit the moved tokens and the load cannot tell them apart, and the turns of a
+                        sessions cell set the load slope a fresh cell after it is priced by
     (TTFT = proxy received -> D's leg sent on the proxy's clock + D's api_received -> first token on
     D's: no two clocks are subtracted from each other, so it holds across hosts.)
 Estimates and costs (seconds):
@@ -59,9 +64,9 @@ Estimates and costs (seconds):
                charged each local dispatch's estimate), which bounds what local prefills add to the
                TPOT of D's decoding requests
     residual   each route's estimate is the fits' queue ahead of it plus the fits' own part times
-               exp(residual[route, size class]): the average of log(measured / fitted own part) over the
+               exp(residual[route, size class, hit]): the average of log(measured / fitted own part) over the
                route's recent answers of that size (uncached tokens to the nearest power of two; any
-               pair), the newest weighted residual_alpha (kv_fit.Residuals). The stall local charges
+               pair), fresh and D-prefix-hit apart, the newest weighted residual_alpha (kv_fit.Residuals). The stall local charges
                and P's delay to others are not corrected
 The cheapest route wins, but a remote route whose cost is within near_tie of the cheapest's (a remote
 route) and that no decision took for TIE_EVERY decisions takes this one (`tied`): near ties are
@@ -180,8 +185,8 @@ class CostModel:
         # Priors: push first (its handover is the shortest measured), layer-wise, then pull; pull's grows
         # faster with D's load (it waits for D's steps to admit the request and post its READ): in
         # regime_full12b's auto runs its rest rose 3.4 ms per request decoding on D, push's 1.1 (ad hoc).
-        self.rest = RouteFit(remote, {Route.PUSH_LAYERWISE.value: 0.001, Route.PULL.value: 0.004}, 0.004, 1e-5,
-                             load_priors={Route.PULL.value: 0.002})
+        self.rest, self.rest_hit = (RouteFit(remote, {Route.PUSH_LAYERWISE.value: 0.001, Route.PULL.value: 0.004},
+                                             0.004, 1e-5, load_priors={Route.PULL.value: 0.002}) for _ in range(2))
         self.decisions = 0
         self.samples: dict[Route, int] = {r: 0 for r in Route}
         self.taken_at: dict[Route, int] = {r: 0 for r in Route}  # the decision that last took the route
@@ -207,7 +212,7 @@ class CostModel:
         request's own part corrected by the route's residual (the queue is shared by every route that
         waits in it: scaled by one route's error, a long queue would open a gap no route has)."""
         queue, own = self.parts(route, d)
-        r = d.residuals[route.value] = self.residual((route, size_class(d)))
+        r = d.residuals[route.value] = self.residual((route, size_class(d), d.d_prefix > 0))
         d.queue_s[route.value] = queue
         return queue + own * math.exp(r)
 
@@ -219,7 +224,11 @@ class CostModel:
             return max(line(d.d_queue + uncached) - alone, 0.0), alone
         alone = self.p_time(route, d, 0.0)
         queue = max(self.p_time(route, d, d.p_queue) - alone, 0.0)
-        return queue, alone + self.rest(d.tokens - d.d_prefix, d.d_running, route.value, d.pair)
+        return queue, alone + self.rest_fit(d)(d.tokens - d.d_prefix, d.d_running, route.value, d.pair)
+
+    def rest_fit(self, d: Decision) -> RouteFit:
+        """The rest fit for this request: fresh, or D holds a prefix of it (by the proxy's tracker)."""
+        return self.rest_hit if d.d_prefix > 0 else self.rest
 
     def p_time(self, route: Route, d: Decision, queue: float) -> float:
         """P's prefill of this request by `route` (a remote route) behind `queue` tokens."""
@@ -316,14 +325,14 @@ class CostModel:
         elif out.p_time_s is not None:
             own = tokens - d.p_prefix
             self.prefill.add(d.p_queue + own, 0.0, out.p_time_s, d.route.value, (d.pair[0], ""), own)
-            self.rest.add(moved, d.d_running, max(out.ttft_s - out.p_time_s, 0.0), d.route.value, d.pair)
+            self.rest_fit(d).add(moved, d.d_running, max(out.ttft_s - out.p_time_s, 0.0), d.route.value, d.pair)
         est = d.estimates_s.get(d.route.value)
         if not (est and math.isfinite(est) and est > 0):
             return None
         queue = d.queue_s.get(d.route.value, 0.0)
         own, measured_own = est - queue, out.ttft_s - queue
         if own > 0 and measured_own > 0:  # the fits' error on the own part, without the correction made then
-            self.residual.add((d.route, size_class(d)), math.log(measured_own / own) + d.residuals.get(d.route.value, 0.0))
+            self.residual.add((d.route, size_class(d), d.d_prefix > 0), math.log(measured_own / own) + d.residuals.get(d.route.value, 0.0))
         return out.ttft_s / est
 
 
