@@ -1,7 +1,7 @@
 """Replay `--kv-mode auto`'s cost model over the answers of a regime map's auto runs: offline, seconds.
 
     python benchmarks/replay_auto.py kvpush-results/regime_full15
-    python benchmarks/replay_auto.py kvpush-results/regime_full15 --mode auto_old --near-tie 0 --residual-alpha 0
+    python benchmarks/replay_auto.py kvpush-results/regime_full15 --mode auto_old --residual-alpha 0
     python benchmarks/replay_auto.py kvpush-results/regime_full15 --residual-alpha 0 --json replay.json
 
 A way to compare cost-model settings without an hour of grid per setting. Every measured request of
@@ -153,13 +153,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("result_dir", type=Path, help="a regime map's --result-dir (its regime_map.json and runs/)")
     ap.add_argument("--mode", default="auto", help="whose runs: auto, or an auto variant's file prefix (auto_NAME)")
     ap.add_argument("--stall-weight", type=non_negative_float, default=None)
-    ap.add_argument("--near-tie", type=non_negative_float, default=None, help="(kept in the model; the replay's "
-                    "pick is the cheapest route, so it changes nothing here)")
     ap.add_argument("--residual-alpha", type=unit_fraction, default=None)
     ap.add_argument("--json", type=Path, default=None, help="also write the rows here")
     args = ap.parse_args(argv)
-    kwargs = {k: v for k, v in (("stall_weight", args.stall_weight), ("near_tie", args.near_tie),
-                                ("residual_alpha", args.residual_alpha)) if v is not None}
+    kwargs = {k: v for k, v in (("stall_weight", args.stall_weight), ("residual_alpha", args.residual_alpha))
+              if v is not None}
     rows = [c.summary() for c in replay(load_runs(args.result_dir, args.mode), cells_of(args.result_dir),
                                         CostModel(**kwargs))]
     print(table(rows))

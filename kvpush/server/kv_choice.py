@@ -64,10 +64,11 @@ Estimates and costs (seconds):
                charged each local dispatch's estimate), which bounds what local prefills add to the
                TPOT of D's decoding requests
     residual   each route's estimate is the fits' queue ahead of it plus the fits' own part times
-               exp(residual[route, size class, hit]): the average of log(measured / fitted own part) over the
+               exp(residual[residual_key]): the average of log(measured / fitted own part) over the
                route's recent answers of that size (uncached tokens to the nearest power of two; any
-               pair), fresh and D-prefix-hit apart, the newest weighted residual_alpha (kv_fit.Residuals). The stall local charges
-               and P's delay to others are not corrected
+               pair), fresh prompts and prompts D holds a prefix of apart, the newest weighted
+               residual_alpha (kv_fit.Residuals). The stall local charges and P's delay to others are
+               not corrected
 The cheapest route wins, but a remote route whose cost is within near_tie of the cheapest's (a remote
 route) and that no decision took for TIE_EVERY decisions takes this one (`tied`): near ties are
 measured, not left to the fits' differences between routes.
@@ -172,7 +173,7 @@ class CostModel:
         self.routes = routes
         self.stall_weight = stall_weight
         self.near_tie = near_tie
-        self.residual = Residuals(residual_alpha)  # (remote route, size class) -> log(measured / fitted TTFT)
+        self.residual = Residuals(residual_alpha)  # residual_key -> log(measured / fitted own part)
         self.local_max_s = local_max_s
         self.tokens_per_char = PRIOR_TOKENS_PER_CHAR
         remote = (Route.PUSH.value, Route.PUSH_LAYERWISE.value, Route.PULL.value)
@@ -212,7 +213,7 @@ class CostModel:
         request's own part corrected by the route's residual (the queue is shared by every route that
         waits in it: scaled by one route's error, a long queue would open a gap no route has)."""
         queue, own = self.parts(route, d)
-        r = d.residuals[route.value] = self.residual((route, size_class(d), d.d_prefix > 0))
+        r = d.residuals[route.value] = self.residual(residual_key(route, d))
         d.queue_s[route.value] = queue
         return queue + own * math.exp(r)
 
@@ -332,8 +333,14 @@ class CostModel:
         queue = d.queue_s.get(d.route.value, 0.0)
         own, measured_own = est - queue, out.ttft_s - queue
         if own > 0 and measured_own > 0:  # the fits' error on the own part, without the correction made then
-            self.residual.add((d.route, size_class(d), d.d_prefix > 0), math.log(measured_own / own) + d.residuals.get(d.route.value, 0.0))
+            self.residual.add(residual_key(d.route, d), math.log(measured_own / own) + d.residuals.get(d.route.value, 0.0))
         return out.ttft_s / est
+
+
+def residual_key(route: Route, d: Decision) -> tuple[Route, int, bool]:
+    """Whose residual a request's estimate by `route` uses and teaches: the route, the request's size
+    class, and whether D holds a prefix of it (session turns apart from fresh prompts, as the rest fits)."""
+    return route, size_class(d), d.d_prefix > 0
 
 
 def size_class(d: Decision) -> int:
