@@ -69,6 +69,10 @@ def main() -> None:
     ap.add_argument("--link-only", action="store_true", help="with --link-gbps: only over the rate-limited link")
     ap.add_argument("--rows", nargs="+", default=[], metavar="IN/OUT",
                     help="only these rows of the grid (prompt/output length, e.g. 2048/256)")
+    ap.add_argument("--loads", nargs="+", type=float, default=[], metavar="FRACTION",
+                    help="only these loads of the grid (fractions of capacity, e.g. 0.8)")
+    ap.add_argument("--prefixes", nargs="+", default=[], metavar="PREFIX",
+                    help="only these prefixes of the grid (none, sessions)")
     ap.add_argument("--run-s", type=float, default=None, help="seconds of load per mode and cell")
     ap.add_argument("--repeats", type=int, default=None,
                     help="runs per mode and cell, the order rotating, pooled (default: 2; full grid 1)")
@@ -97,6 +101,10 @@ def main() -> None:
     rows = row_names(grid)
     if any(r not in rows for r in args.rows):
         ap.error(f"--rows: the {grid} grid's rows are {' '.join(rows)}")
+    if any(x not in GRIDS[grid]["loads"] for x in args.loads):
+        ap.error(f"--loads: the {grid} grid's loads are {' '.join(map(str, GRIDS[grid]['loads']))}")
+    if any(x not in GRIDS[grid]["prefixes"] for x in args.prefixes):
+        ap.error(f"--prefixes: the {grid} grid's prefixes are {' '.join(GRIDS[grid]['prefixes'])}")
     if args.link_only and args.link_gbps is None:
         ap.error("--link-only needs --link-gbps")
     if args.link_gbps is not None and not args.link_gbps > 0:
@@ -132,6 +140,7 @@ def main() -> None:
                         result_dir=args.result_dir, pin=not args.no_pin, auto_proxy_args=shlex.split(args.auto_proxy_args),
                         auto_variants=variants, calibrate=not args.no_calibrate,
                         repeats=args.repeats or (1 if grid == "full" else 2), rows=tuple(args.rows),
+                        loads=tuple(args.loads), prefixes=tuple(args.prefixes),
                         command=command)
         path = run_map(cfg)
     print(report(path, args.readme, Path("docs/img/regime_map.png") if args.readme else None))

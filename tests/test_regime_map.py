@@ -176,6 +176,34 @@ def test_a_map_of_some_rows_runs_those_rows_and_has_its_own_readme_section():
     assert section_name({**some.__dict__, "confirm_of": "x/regime_map.json"}) == "full-2048x256-128x32-confirm"
 
 
+def test_a_map_of_some_loads_and_prefixes_runs_those_cells_alone():
+    from kvpush.bench.regime import cells_for
+    from kvpush.bench.regime_report import section_name
+
+    assert len(cells_for(MapConfig(model="m", grid="full"), "full", 128, 256)) == 6
+    cfg = MapConfig(model="m", grid="full", loads=(0.8,), prefixes=("none",))
+    assert cells_for(cfg, "full", 128, 256) == [Cell("full", 128, 256, 0.8, "none")]
+    assert section_name({**cfg.__dict__, "rows": ("128/256",)}) == "full-128x256-80%-none"
+
+
+def test_a_route_forced_on_an_auto_deployment_of_its_own_is_paired_with_the_fixed_mode():
+    """With nothing else on the auto deployment, auto@push gets push's prompts (its caches never saw
+    them) and the summary says what the all-modes deployment costs the route; next to auto it cannot."""
+    from kvpush.bench.regime import run_seed
+
+    alone = MapConfig(model="m", modes=("push", "auto@push"))
+    assert run_seed(alone, 3, 1, "auto@push") == run_seed(alone, 3, 1, "push")
+    shared = MapConfig(model="m", modes=("push", "auto@push", "auto@pull"))
+    assert run_seed(shared, 3, 1, "auto@push") != run_seed(shared, 3, 1, "push")
+    assert run_seed(MapConfig(model="m"), 3, 1, "auto@push") != run_seed(MapConfig(model="m"), 3, 1, "push")
+    s = summarize(Cell("full", 128, 256, 0.8, "none"), 1.0,
+                  {"push": [run(spread(100))], "auto@push": [run(spread(110))]}, {})
+    r = s["forced_vs_fixed"]["auto@push"]["ttft_p50"]
+    assert r["ratio"] == pytest.approx(1.1, rel=0.02) and r["verdict"] == "push better"
+    assert "auto_vs_forced" not in s and "auto_vs_best" not in s
+    assert "auto@push: TTFT p50 1.1" in findings({"cells": [s]})
+
+
 def test_an_auto_variant_is_its_own_deployment_compared_with_auto_and_each_fixed_mode(tmp_path: Path):
     """--auto-variant w3=FLAGS adds mode auto+w3: an auto deployment of its own whose proxy gets auto's
     extra flags, then FLAGS (which override them); the summary compares it with auto and each fixed

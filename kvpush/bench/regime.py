@@ -76,6 +76,8 @@ class MapConfig:
     calibrate: bool = True  # probe every deployment first and restart a slow process (bench/calibrate.py)
     confirm_of: str = ""  # a confirmation run (bench/regime_confirm.py): the screen's regime_map.json
     rows: tuple[str, ...] = ()  # only these rows of the grid ("2048/256"); empty: every row
+    loads: tuple[float, ...] = ()  # only these loads of the grid (0.8); empty: every load
+    prefixes: tuple[str, ...] = ()  # only these prefixes of the grid ("none"); empty: every prefix
 
 
 @dataclass(frozen=True)
@@ -114,9 +116,16 @@ def run_cell(cfg: MapConfig, suite: SuiteConfig, fleet: Fleet, cell: Cell, rate:
 def run_seed(cfg: MapConfig, index: int, rep: int, mode: str) -> int:
     """The prompt set (and arrival times) of the cell's `index`-th position, repeat `rep`, for `mode`."""
     seed = cfg.seed + 1000 * index + rep
-    if mode in FORCED:  # other prompts: auto's deployment would serve the same ones from its prefix caches
-        seed += 100 * (1 + FORCED.index(mode))
+    if mode in FORCED and shares_auto_deployment(cfg.modes, mode):
+        seed += 100 * (1 + FORCED.index(mode))  # auto's deployment would serve repeated prompts from its caches
     return seed
+
+
+def shares_auto_deployment(modes: tuple[str, ...], mode: str) -> bool:
+    """Whether another of `modes` runs on the auto deployment that forced `mode` runs on. If none does,
+    the forced route gets the fixed modes' prompts: auto@push vs push is then paired, and measures
+    what an all-modes deployment costs a route against the deployment of that route alone."""
+    return any(m != mode and (m == "auto" or m in FORCED) for m in modes)
 
 
 def cell_runs(cfg: MapConfig, suite: SuiteConfig, fleet: Fleet, cell: Cell, rate: float, index: int,
@@ -188,6 +197,8 @@ def summarize(cell: Cell, rate: float, runs: dict[str, list[dict]], routes: dict
     if "auto" in runs and forced:
         best = _fastest(forced, modes)
         out["auto_vs_forced"] = {"best": best, **_compare(runs, "auto", best)}
+    if pairs := [m for m in forced if m.split("@", 1)[1] in runs]:  # the all-modes deployment's own cost
+        out["forced_vs_fixed"] = {m: _compare(runs, m, m.split("@", 1)[1]) for m in pairs}
     variants = [m for m in runs if variant_name(m) is not None]
     if variants:
         out["variants"] = {v: {"routes": routes_taken(runs[v]),
@@ -232,7 +243,8 @@ def grid_rows(cfg: MapConfig) -> list[tuple[int, int]]:
 
 def cells_for(cfg: MapConfig, link: str, input_len: int, output_len: int) -> list[Cell]:
     grid = GRIDS[cfg.grid]
-    return [Cell(link, input_len, output_len, load, prefix) for load in grid["loads"] for prefix in grid["prefixes"]]
+    return [Cell(link, input_len, output_len, load, prefix) for load in grid["loads"] for prefix in grid["prefixes"]
+            if (not cfg.loads or load in cfg.loads) and (not cfg.prefixes or prefix in cfg.prefixes)]
 
 
 def start_fleet(cfg: MapConfig, link_name: str, link: Any) -> tuple[SuiteConfig, Fleet, CalibrationConfig]:

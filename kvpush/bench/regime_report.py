@@ -102,13 +102,17 @@ def findings(doc: dict[str, Any]) -> str:
             out.append(f"- **auto vs each fixed mode on the mixed workload** ({c['name']}): "
                        + "; ".join(_each_parts(each)) + ".")
     out += _variant_lines(doc, cells)
+    out += [f"- **routes forced on an auto deployment alone vs the same route's own deployment, same prompts** "
+            f"({c['name']}): " + "; ".join(_each_parts(c["forced_vs_fixed"], "TTFT p50", "ttft_p50")) + "."
+            for c in cells if c.get("forced_vs_fixed")]
     return "\n".join(out)
 
 
-def _each_parts(each: dict[str, dict]) -> list[str]:
-    """'mode: TTFT p99 ..., TPOT p50 ...' per mode compared with."""
-    return [f"{m}: TTFT p99 {_ratio_text(r.get('ttft_p99'))}, TPOT p50 {_ratio_text(r.get('tpot_p50'))}"
-            for m, r in each.items()]
+def _each_parts(each: dict[str, dict], *extra: str) -> list[str]:
+    """'mode: TTFT p99 ..., TPOT p50 ...' per mode compared with (after `extra`: name, key pairs)."""
+    first = list(zip(extra[::2], extra[1::2], strict=True))
+    return [f"{m}: " + ", ".join(f"{name} {_ratio_text(r.get(key))}" for name, key in
+                                 [*first, ("TTFT p99", "ttft_p99"), ("TPOT p50", "tpot_p50")]) for m, r in each.items()]
 
 
 def _variant_lines(doc: dict[str, Any], cells: list[dict]) -> list[str]:
@@ -270,5 +274,6 @@ def section_name(config: dict) -> str:
     """The README section of a map: its grid, and `-link` for a map of the rate-limited link alone."""
     name = config["grid"] if config.get("full_link", True) else f"{config['grid']}-link"
     name += "".join(f"-{r.replace('/', 'x')}" for r in config.get("rows") or ())  # a map of some rows alone
+    name += "".join(f"-{x:.0%}" for x in config.get("loads") or ()) + "".join(f"-{x}" for x in config.get("prefixes") or ())
     name += "-variants" if config.get("auto_variants") else ""  # auto's settings compared: not the map itself
     return f"{name}-confirm" if config.get("confirm_of") else name
