@@ -106,6 +106,7 @@ def test_routes_forced_on_the_auto_deployment_are_compared_with_auto(tmp_path: P
     assert _headers(None, "pull")["X-KVPush-KV-Mode"] == "pull" and "X-KVPush-KV-Mode" not in _headers(None)
     fleet = Fleet(SuiteConfig(model="m", modes=("push", "auto", "auto@push")), str(tmp_path))
     assert set(fleet.deployments) == {"push", "auto"}
+    assert set(Fleet(SuiteConfig(model="m", modes=("push", "auto@push")), str(tmp_path)).deployments) == {"push", "auto"}
 
 
 def test_link_only_maps_the_slow_link_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):

@@ -92,7 +92,8 @@ class Fleet:
             port = free_port()
             self.colocated = ServerProcess(["serve", cfg.model, "--port", str(port), *cfg.serve_args],
                                            log_path=os.path.join(log_dir, "colocated.log"))
-        for mode in cfg.modes:
+        hosts = [m.split("@", 1)[0] for m in self.forced]  # a forced route alone still needs its deployment
+        for mode in dict.fromkeys([*cfg.modes, *hosts]):
             if mode != "colocated" and mode not in self.forced:
                 kv_mode, proxy_args = deployment_of(cfg, mode)
                 self.deployments[mode] = Deployment(cfg.model, 1, 1, kv_mode, free_port(), cfg.serve_args, proxy_args,
