@@ -200,7 +200,7 @@ def add_proxy_arguments(p: argparse.ArgumentParser) -> None:
 
 
 AUTO_FLAGS = ("auto_stall_weight", "auto_local_max_ms", "auto_local_share", "auto_local_window_s", "auto_near_tie",
-             "auto_residual_alpha")
+             "auto_residual_alpha", "auto_switch_margin")
 
 
 def add_auto_arguments(p: argparse.ArgumentParser) -> None:
@@ -223,6 +223,9 @@ def add_auto_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--auto-residual-alpha", type=unit_fraction, default=_default(ProxyConfig, "auto_residual_alpha"),
                    help="--kv-mode auto: weight of the newest answer in a route's correction of its fitted TTFT "
                         "(the queue ahead left out) by its recent measured/fitted ratio, per prompt size class (0: off)")
+    p.add_argument("--auto-switch-margin", type=non_negative_float, default=_default(ProxyConfig, "auto_switch_margin"),
+                   help="--kv-mode auto: another remote route replaces the one last chosen only when its cost is "
+                        "lower by more than this fraction (0: the cheapest always)")
 
 
 def cmd_proxy(args: argparse.Namespace) -> int:
@@ -240,7 +243,7 @@ def cmd_proxy(args: argparse.Namespace) -> int:
                          probe_interval_s=args.probe_interval_s, auto_stall_weight=args.auto_stall_weight,
                          auto_local_max_ms=args.auto_local_max_ms, auto_local_share=args.auto_local_share,
                          auto_local_window_s=args.auto_local_window_s, auto_near_tie=args.auto_near_tie,
-                         auto_residual_alpha=args.auto_residual_alpha)
+                         auto_residual_alpha=args.auto_residual_alpha, auto_switch_margin=args.auto_switch_margin)
     asyncio.run(serve_proxy(config))
     return 0
 

@@ -42,6 +42,6 @@ def test_the_proxy_takes_autos_near_tie_and_residual_flags() -> None:
                                       "--auto-near-tie", "0", "--auto-residual-alpha", "0.5"])
     assert (args.auto_near_tie, args.auto_residual_alpha) == (0.0, 0.5)
     defaults = build_parser().parse_args(["proxy", "--prefill", "http://p", "--decode", "http://d"])
-    assert (defaults.auto_near_tie, defaults.auto_residual_alpha) == (0.2, 0.2)
+    assert (defaults.auto_near_tie, defaults.auto_residual_alpha, defaults.auto_switch_margin) == (0.0, 0.2, 0.2)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["proxy", "--prefill", "http://p", "--decode", "http://d", "--auto-residual-alpha", "2"])

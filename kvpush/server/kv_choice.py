@@ -107,6 +107,7 @@ STALE_AFTER = 150  # decisions: ~3-5 half-lives of the remote fits (30, 50 answe
 TIE_EVERY = 10  # decisions: a near-tied remote route is taken at least this often
 NEAR_TIE = ProxyConfig.auto_near_tie
 RESIDUAL_ALPHA = ProxyConfig.auto_residual_alpha
+SWITCH_MARGIN = ProxyConfig.auto_switch_margin
 PRIOR_TOKENS_PER_CHAR = 0.25
 STALL_WEIGHT = ProxyConfig.auto_stall_weight
 
@@ -169,8 +170,11 @@ class Outcome:
 
 class CostModel:
     def __init__(self, routes: tuple[Route, ...] = tuple(Route), stall_weight: float = STALL_WEIGHT,
-                 local_max_s: float = 0.064, near_tie: float = NEAR_TIE, residual_alpha: float = RESIDUAL_ALPHA) -> None:
+                 local_max_s: float = 0.064, near_tie: float = NEAR_TIE, residual_alpha: float = RESIDUAL_ALPHA,
+                 switch_margin: float = SWITCH_MARGIN) -> None:
         self.routes = routes
+        self.switch_margin = switch_margin
+        self.incumbent: Route | None = Route.PUSH if Route.PUSH in routes else None  # the priors' first
         self.stall_weight = stall_weight
         self.near_tie = near_tie
         self.residual = Residuals(residual_alpha)  # residual_key -> log(measured / fitted own part)
@@ -273,11 +277,25 @@ class CostModel:
         self.decisions += 1
         d.costs_s = {r.value: self.cost(r, d) for r in allowed}
         explore, tie = self.to_explore(allowed, d.costs_s), self.tied(allowed, d.costs_s)
-        d.route = explore or tie or min(allowed, key=lambda r: d.costs_s[r.value])
+        d.route = explore or tie or self.cheapest(allowed, d.costs_s)
         d.reason = ("forced" if d.forced else "only" if len(allowed) == 1 else "explore" if explore
                     else "near-tie" if tie else "cheapest")
         self.taken_at[d.route] = self.decisions
         return d
+
+    def cheapest(self, allowed: tuple[Route, ...], costs: dict[str, float]) -> Route:
+        """The cheapest route, a remote one other than the incumbent (the remote route the last choice
+        between remote routes settled on) counted switch_margin dearer: the fits tell remote routes apart
+        only to about their error, so another remote route takes over only when it is cheaper beyond it."""
+        incumbent = self.incumbent if self.incumbent in allowed else None
+
+        def ranked(r: Route) -> float:
+            handicap = r.remote and incumbent is not None and r is not incumbent
+            return costs[r.value] * (1.0 + self.switch_margin if handicap else 1.0)
+        best = min(allowed, key=ranked)
+        if best.remote:
+            self.incumbent = best
+        return best
 
     def tied(self, allowed: tuple[Route, ...], costs: dict[str, float]) -> Route | None:
         """A remote route whose cost is within near_tie of the cheapest's (a remote route) and that no
@@ -337,10 +355,13 @@ class CostModel:
         return out.ttft_s / est
 
 
-def residual_key(route: Route, d: Decision) -> tuple[Route, int, bool]:
-    """Whose residual a request's estimate by `route` uses and teaches: the route, the request's size
-    class, and whether D holds a prefix of it (session turns apart from fresh prompts, as the rest fits)."""
-    return route, size_class(d), d.d_prefix > 0
+def residual_key(route: Route, d: Decision) -> tuple[bool, int, bool]:
+    """Whose residual a request's estimate by `route` uses and teaches: remote routes together or local,
+    the request's size class, and whether D holds a prefix of it (session turns apart from fresh prompts,
+    as the rest fits). One residual for every remote route: per route, each followed only the route's
+    own recent answers, taken under whatever load that route last met, and opened gaps of 20-40%
+    between remote routes that the fixed modes never showed (replayed: regime_rows15's sessions cells)."""
+    return route.remote, size_class(d), d.d_prefix > 0
 
 
 def size_class(d: Decision) -> int:
