@@ -220,7 +220,9 @@ def geomean(xs: list[float]) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("result_dir", type=Path, help="a regime map's --result-dir (its regime_map.json and runs/)")
+    ap.add_argument("result_dirs", type=Path, nargs="+", metavar="result_dir",
+                    help="a regime map's --result-dir (its regime_map.json and runs/); several: each replayed "
+                         "with a fresh model, the summary over all their cells")
     ap.add_argument("--mode", default="auto", help="whose runs: auto, or an auto variant's file prefix (auto_NAME)")
     ap.add_argument("--stall-weight", type=non_negative_float, default=None)
     ap.add_argument("--residual-alpha", type=unit_fraction, default=None)
@@ -233,8 +235,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     kwargs = {k: v for k, v in (("stall_weight", args.stall_weight), ("residual_alpha", args.residual_alpha),
                                 ("near_tie", args.near_tie), ("switch_margin", args.switch_margin)) if v is not None}
-    rows = [c.summary() for c in replay(load_runs(args.result_dir, args.mode), cells_of(args.result_dir),
-                                        CostModel(**kwargs), load_answers(args.result_dir), args.learn == "picked")]
+    rows = [c.summary() for d in args.result_dirs
+            for c in replay(load_runs(d, args.mode), cells_of(d), CostModel(**kwargs), load_answers(d),
+                            args.learn == "picked")]
     print(table(rows))
     errs = [r["est_err"] for r in rows if r["est_err"] is not None]
     agree = [r["agree"] for r in rows if r["agree"] is not None]

@@ -61,3 +61,42 @@ def test_an_answer_is_learned_only_after_it_ended(tmp_path: Path) -> None:
 def test_no_runs_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match="no runs"):
         replay_auto.main([str(result_dir(tmp_path, [])), "--mode", "auto_w1"])
+
+
+def fixed_runs(tmp_path: Path, ttft_s: dict[str, float], n: int) -> None:
+    """The fixed modes' and colocated's runs of the cell, on the same prompts as auto's (seed, index)."""
+    config = {"input_len": 512, "output_len": 32, "dataset": "random", "request_rate": 1.0}
+    for mode, ttft in ttft_s.items():
+        reqs = [{**request(i, mode, ttft, 2000.0 + i), "kvpush_route": None} for i in range(n)]
+        (tmp_path / f"runs/full/{mode}-rate1.0-2.json").write_text(json.dumps({"config": config, "requests": reqs}))
+
+
+def test_choices_are_scored_on_the_fixed_deployments_answers_to_the_same_prompts(tmp_path: Path) -> None:
+    """Auto took pull (60 ms) where push answered in 40: the run's choices score 1.5x the best fixed
+    mode; the replayed model, starting on push and learning pull's 60 ms, picks push: ~1.0x."""
+    reqs = [request(i, "pull", 0.060, 1000.0 + i) for i in range(30)]
+    d = result_dir(tmp_path, reqs)
+    fixed_runs(d, {"push": 0.040, "pull": 0.060, "push-layerwise": 0.050, "colocated": 0.030}, 30)
+    cell = json.loads((d / "regime_map.json").read_text())
+    cell["cells"][0]["auto_vs_best"]["best"] = "push"
+    (d / "regime_map.json").write_text(json.dumps(cell))
+    out = tmp_path / "replay.json"
+    assert replay_auto.main([str(d), "--json", str(out)]) == 0
+    row = json.loads(out.read_text())["cells"][0]
+    assert row["scored"] == 30
+    assert row["vs_best"]["as run"] == pytest.approx(1.5) and row["vs_best"]["auto"] == pytest.approx(1.5)
+    assert row["vs_best"]["chosen"] == pytest.approx(1.0) and row["vs_best"]["oracle"] == pytest.approx(0.75)
+
+
+def test_learning_from_the_picked_routes_answers_closes_the_loop(tmp_path: Path) -> None:
+    """The run's push answers were fast (40 ms) but the push deployment measured 100 ms for the same
+    prompts and pull 30: learning what was taken keeps push; learning what the pick would have met
+    moves the model to pull (found by exploring)."""
+    reqs = [request(i, "push", 0.040, 1000.0 + i) for i in range(60)]
+    d = result_dir(tmp_path, reqs)
+    fixed_runs(d, {"push": 0.100, "pull": 0.030, "push-layerwise": 0.100, "colocated": 0.100}, 60)
+    taken, picked = tmp_path / "taken.json", tmp_path / "picked.json"
+    assert replay_auto.main([str(d), "--json", str(taken)]) == 0
+    assert replay_auto.main([str(d), "--learn", "picked", "--json", str(picked)]) == 0
+    pull = [json.loads(f.read_text())["cells"][0]["picks"].get("pull", 0) for f in (taken, picked)]
+    assert pull[0] == 0 and pull[1] > 30, pull

@@ -65,13 +65,15 @@ Estimates and costs (seconds):
                TPOT of D's decoding requests
     residual   each route's estimate is the fits' queue ahead of it plus the fits' own part times
                exp(residual[residual_key]): the average of log(measured / fitted own part) over the
-               route's recent answers of that size (uncached tokens to the nearest power of two; any
-               pair), fresh prompts and prompts D holds a prefix of apart, the newest weighted
-               residual_alpha (kv_fit.Residuals). The stall local charges and P's delay to others are
-               not corrected
-The cheapest route wins, but a remote route whose cost is within near_tie of the cheapest's (a remote
-route) and that no decision took for TIE_EVERY decisions takes this one (`tied`): near ties are
-measured, not left to the fits' differences between routes.
+               recent answers of that size (uncached tokens to the nearest power of two; any pair) of
+               every remote route together (local apart), fresh prompts and prompts D holds a prefix
+               of apart, the newest weighted residual_alpha (kv_fit.Residuals). The stall local
+               charges and P's delay to others are not corrected
+The cheapest route wins, a remote route other than the incumbent (the remote route the last cheapest
+choice settled on; push at first) counted switch_margin dearer (`cheapest`): remote routes differ by
+less than the fits' error where the link is fast, and the cheapest of noisy near-equal estimates is
+noise. With near_tie > 0 (off by default), a remote route whose cost is within near_tie of the
+cheapest's (a remote route) and that no decision took for TIE_EVERY decisions takes this one (`tied`).
 Every EXPLORE_EVERY-th decision (every EXPLORE_EVERY_LATER-th once each route has WELL_MEASURED
 samples and none has gone STALE_AFTER decisions without being taken) takes another route instead:
 the one with the fewest samples while some route has fewer than WELL_MEASURED, else the one taken
