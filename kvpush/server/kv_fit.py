@@ -168,12 +168,12 @@ class Residuals:
     and the average are bounded to +-log 2 (one stalled answer moves it at most alpha x log 2), and a
     ratio that is not a finite number is ignored.
 
-    Why auto needs it: its fits are one decayed least squares over every route's answers (RouteFit,
-    half-life 30-50 answers of any route), so the route taken alone for a while was estimated 10-20%
-    low in the regime map's cells (the cheapest of noisy estimates tends to be an underestimate, and
-    the fits follow a new load slowly), while a route not taken keeps older samples. Corrected by its
-    own recent error, each route is compared by what it was last measured to do; as the fits catch
-    up, the error and so the correction fade."""
+    Why auto needs it: its fits are decayed least squares (RouteFit, half-life 30-50 answers of any
+    route) and follow a new load slowly, so their estimates ran 8-20% off over whole cells of the
+    regime map; the correction follows what the latest answers measured, and fades as the fits catch
+    up. Auto keys it by remote (every remote route together) or local, size class and D prefix hit
+    (kv_choice.residual_key): keyed per route, a route's correction followed only its own answers,
+    taken under whatever load it last met, and opened gaps between remote routes that were not there."""
 
     LIMIT = math.log(2.0)
 
