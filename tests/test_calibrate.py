@@ -21,17 +21,24 @@ def test_a_slow_step_or_prefill_is_named_and_push_layerwise_prefill_is_not_judge
     assert slow({"a": Probe(None, None), "b": Probe(4.0, None)}, 1.15) == {}
 
 
+def test_a_process_slow_only_with_a_batch_is_named_too():
+    """Alone every D steps alike; with 8 requests at once one of them is 30% slower."""
+    probes = {m: Probe(4.0, 30.0, batch) for m, batch in (("push", 8.0), ("pull", 8.2), ("auto", 10.5))}
+    assert slow(probes, 1.15) == {"auto": "batched step 10.50 ms > 1.15 x median 8.20"}
+
+
 def test_calibration_probes_every_endpoint_and_restarts_the_slow_ones(tiny_model: str, tmp_path: Path):
     fleet = Fleet(SuiteConfig(model=tiny_model, modes=("colocated", "push"), serve_args=["--torch-threads", "1"]),
                   str(tmp_path)).start()
     try:
         cfg = CalibrationConfig(tiny_model, requests=2, prompt_len=24, output_len=6, tries=1, vocab_size=1024,
-                                slow_ratio=10.0)
+                                slow_ratio=10.0, batch=3)
         rounds = calibrate(fleet, cfg)
         assert len(rounds) == 1 and rounds[0]["slow"] == {} and rounds[0]["restarted"] == []
         probes = rounds[0]["probes"]
         assert probes["colocated"]["step_ms"] > 0 and probes["colocated"]["prefill_ms"] is None
         assert probes["push"]["step_ms"] > 0 and probes["push"]["prefill_ms"] > 0  # P's stamps came back
+        assert probes["push"]["batch_step_ms"] > 0 and probes["colocated"]["batch_step_ms"] > 0
         # ratio 0: every endpoint is "slow": restarted once, probed again, then kept as it is
         pids = {m: fleet.deployments["push"].proxy.proc.pid for m in ("push",)}
         rounds = calibrate(fleet, CalibrationConfig(**{**cfg.__dict__, "slow_ratio": 0.0}))

@@ -8,10 +8,13 @@ across such processes measures the process, not the mode, so each deployment is 
 
     PROBE   per deployment, `requests` sequential streamed requests of fresh random prompts through
             its endpoint (auto: route push forced, so that P and D both work): D's step = the median
-            gap between tokens, P's prefill = the median of P's admitted -> prefill done stamps
-    CHECK   a deployment is slow when its step (or P's prefill) exceeds `slow_ratio` x the median of
-            every deployment's (P: of every disaggregated one; push-layerwise's P is not judged, its
-            layer hooks make it slower by design)
+            gap between tokens, P's prefill = the median of P's admitted -> prefill done stamps; then
+            `batch` requests at once: D's batched step = the median gap between tokens there (a
+            process can step as fast as the others alone and 20-40% slower with a batch: regime_rows16,
+            auto's D at 128/256 80% fresh against the push deployment's, the same arrivals)
+    CHECK   a deployment is slow when its step, batched step (or P's prefill) exceeds `slow_ratio` x
+            the median of every deployment's (P: of every disaggregated one; push-layerwise's P is not
+            judged, its layer hooks make it slower by design)
     RESTART the slow deployments (stop, start on the same ports) and PROBE again, at most `tries` times
     DONE    every probe is kept (the map's JSON, printed); a deployment still slow after its tries is
             reported and measured as it is, never dropped
@@ -42,6 +45,7 @@ class CalibrationConfig:
     prompt_len: int = 256
     output_len: int = 48
     slow_ratio: float = 1.15
+    batch: int = 8  # requests at once in the batched probe (0: none)
     tries: int = 2
     timeout_s: float = 60.0
     vocab_size: int = 8192
@@ -56,34 +60,46 @@ class CalibrationConfig:
 class Probe:
     step_ms: float | None  # D's (or the colocated server's) median inter-token gap
     prefill_ms: float | None  # P's median admitted -> prefill done (disaggregated deployments)
+    batch_step_ms: float | None = None  # the median inter-token gap with cfg.batch requests at once
 
 
 def probe(url: str, route: str | None, cfg: CalibrationConfig, rng: np.random.Generator) -> Probe:
     """cfg.requests sequential streamed requests through the load generator (route: the route an auto proxy
-    must take); raises KVPushError if one fails."""
-    samples = [Sample([int(t) for t in rng.integers(3, cfg.vocab_size, cfg.prompt_len)], cfg.prompt_len,
-                      cfg.output_len) for _ in range(cfg.requests)]  # fresh prompts: no prefix hit
-    load = LoadConfig(base_url=url, model=cfg.model, max_concurrency=1, ignore_eos=True, timeout_s=cfg.timeout_s,
-                      progress=False, kv_route=route)
-    records = run_load_sync(samples, load).records
-    for r in records:
-        if not r.success:
-            raise KVPushError(f"process check: a probe of {url} failed: {r.error}")
+    must take), then cfg.batch at once; raises KVPushError if one fails."""
+    records = _load(url, route, cfg, rng, cfg.requests, 1)
+    batched = _load(url, route, cfg, rng, cfg.batch, cfg.batch) if cfg.batch > 0 else []
     gaps = [g * 1e3 for r in records for g in r.itl_s]
+    batch_gaps = [g * 1e3 for r in batched for g in r.itl_s]
     prefills = []
     for r in records:
         start, done = (r.kvpush_trace or {}).get("p_admitted"), (r.kvpush_trace or {}).get("p_prefill_done")
         if isinstance(start, (int, float)) and isinstance(done, (int, float)):
             prefills.append((done - start) * 1e3)
-    return Probe(statistics.median(gaps) if gaps else None, statistics.median(prefills) if prefills else None)
+    return Probe(statistics.median(gaps) if gaps else None, statistics.median(prefills) if prefills else None,
+                 statistics.median(batch_gaps) if batch_gaps else None)
+
+
+def _load(url: str, route: str | None, cfg: CalibrationConfig, rng: np.random.Generator, n: int,
+          concurrency: int) -> list:
+    """n streamed requests of fresh random prompts (no prefix hit), `concurrency` at a time."""
+    samples = [Sample([int(t) for t in rng.integers(3, cfg.vocab_size, cfg.prompt_len)], cfg.prompt_len,
+                      cfg.output_len) for _ in range(n)]
+    load = LoadConfig(base_url=url, model=cfg.model, max_concurrency=concurrency, ignore_eos=True,
+                      timeout_s=cfg.timeout_s, progress=False, kv_route=route)
+    records = run_load_sync(samples, load).records
+    for r in records:
+        if not r.success:
+            raise KVPushError(f"process check: a probe of {url} failed: {r.error}")
+    return records
 
 
 def slow(probes: dict[str, Probe], ratio: float) -> dict[str, str]:
-    """Deployment -> why it is slow (its step or P's prefill above ratio x the median of all)."""
+    """Deployment -> why it is slow (its step, batched step or P's prefill above ratio x the median of all)."""
     out: dict[str, str] = {}
     steps = {m: p.step_ms for m, p in probes.items() if p.step_ms is not None}
+    batch_steps = {m: p.batch_step_ms for m, p in probes.items() if p.batch_step_ms is not None}
     prefills = {m: p.prefill_ms for m, p in probes.items() if p.prefill_ms is not None and m != "push-layerwise"}
-    for name, judged in (("step", steps), ("prefill", prefills)):
+    for name, judged in (("step", steps), ("batched step", batch_steps), ("prefill", prefills)):
         if len(judged) < 2:
             continue
         median = statistics.median(judged.values())
@@ -107,7 +123,8 @@ def calibrate(fleet: Fleet, cfg: CalibrationConfig, seed: int = 0) -> list[dict[
         found = slow(probes, cfg.slow_ratio)
         restart = list(found) if attempt < cfg.tries else []
         rounds.append({"probes": {m: vars(p) for m, p in probes.items()}, "slow": found, "restarted": restart})
-        print("calibration: " + ", ".join(f"{m} step {_ms(p.step_ms)} prefill {_ms(p.prefill_ms)}"
+        print("calibration: " + ", ".join(f"{m} step {_ms(p.step_ms)} batched {_ms(p.batch_step_ms)} "
+                                          f"prefill {_ms(p.prefill_ms)}"
                                           for m, p in probes.items())
               + (f"; slow: {found}" if found else "; none slow"), flush=True)
         if not restart:

@@ -232,7 +232,9 @@ def calibration_lines(doc: dict[str, Any]) -> list[str]:
     restarts = [f"{row}: {m} ({why})" for row, rounds in cal.items() for r in rounds
                 for m, why in r["slow"].items() if m in r["restarted"]]
     kept = [f"{row}: {m}" for row, rounds in cal.items() for m in (rounds[-1]["slow"] if rounds else {})]
-    return ["- **Process check** (every deployment probed before each row; one whose decode step or P's prefill "
+    batched = any(p.get("batch_step_ms") for rounds in cal.values() for r in rounds for p in r["probes"].values())
+    step = "decode step (alone or with requests at once)" if batched else "decode step"
+    return [f"- **Process check** (every deployment probed before each row; one whose {step} or P's prefill "
             f"ran > {CalibrationConfig.slow_ratio:g}x the median of the others restarted): "
             + ("; ".join(restarts) if restarts else "no restart")
             + (f"; still slow after its restarts, measured as it was: {'; '.join(kept)}" if kept else "") + "."]
