@@ -28,7 +28,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from kvpush.bench.regime import FORCED, GRIDS, MODES, MapConfig, row_names, run_map
+from kvpush.bench.regime import FORCED, GRIDS, MODES, MapConfig, row_names, run_map, same_processes_modes
 from kvpush.bench.regime_confirm import ConfirmError, confirm
 from kvpush.bench.regime_report import report
 from kvpush.cli import add_auto_arguments
@@ -65,6 +65,10 @@ def main() -> None:
     ap.add_argument("--forced-routes", action="store_true",
                     help="also run each fixed route forced on the auto deployment (auto@push, ...): auto vs the "
                          "best of them compares routing on the same processes")
+    ap.add_argument("--same-processes", action="store_true",
+                    help="run the fixed modes as routes forced on the auto deployment (auto@push, ...) on the same "
+                         "prompts as auto, every prefix cache reset before each run: auto against the routes "
+                         "without the speed differences between deployments' processes")
     ap.add_argument("--link-gbps", type=float, default=None, help="also map over a rate-limited link (root)")
     ap.add_argument("--link-only", action="store_true", help="with --link-gbps: only over the rate-limited link")
     ap.add_argument("--rows", nargs="+", default=[], metavar="IN/OUT",
@@ -132,6 +136,8 @@ def main() -> None:
         run_s, max_prompts = {"quick": (8.0, 40), "mixed": (30.0, 120)}.get(grid, (defaults.run_s,
                                                                                  defaults.max_prompts))
         modes = tuple(args.modes) + (FORCED if args.forced_routes and "auto" in args.modes else ())
+        if args.same_processes:
+            modes = same_processes_modes(modes)
         modes += tuple(f"auto+{name}" for name in variants)
         cfg = MapConfig(model=model, grid=grid, modes=tuple(dict.fromkeys(modes)), link_gbps=args.link_gbps,
                         full_link=not args.link_only,
@@ -140,7 +146,7 @@ def main() -> None:
                         result_dir=args.result_dir, pin=not args.no_pin, auto_proxy_args=shlex.split(args.auto_proxy_args),
                         auto_variants=variants, calibrate=not args.no_calibrate,
                         repeats=args.repeats or (1 if grid == "full" else 2), rows=tuple(args.rows),
-                        loads=tuple(args.loads), prefixes=tuple(args.prefixes),
+                        loads=tuple(args.loads), prefixes=tuple(args.prefixes), reset_caches=args.same_processes,
                         command=command)
         path = run_map(cfg)
     print(report(path, args.readme, Path("docs/img/regime_map.png") if args.readme else None))

@@ -117,6 +117,23 @@ def test_auto_choices_over_multi_turn_prompts_equal_colocated(auto, reference):
     assert_idle(c)
 
 
+def test_a_prefix_cache_reset_empties_the_instances_and_the_proxys_trackers(auto, reference):
+    """After POST /reset_prefix_cache the proxy no longer believes D holds the conversation (its
+    tracker forgot it) and D computes or receives the whole prompt again."""
+    _, proxy = auto
+    prompt = prompt_of(4 * BS, 321)
+    assert call(proxy.url, greedy(prompt), "push")[0] == 200
+    status, out = call(proxy.url, greedy(prompt + [9]))
+    assert status == 200 and out["choices"][0]["kvpush_route"]["d_prefix_tokens"] >= 3 * BS, out
+    req = urllib.request.Request(proxy.url + "/reset_prefix_cache", data=b"", method="POST")
+    with urllib.request.urlopen(req, timeout=30) as r:
+        assert r.status == 200
+    status, out = call(proxy.url, greedy(prompt + [9]))
+    assert status == 200 and out["choices"][0]["kvpush_route"]["d_prefix_tokens"] == 0, out
+    assert out["choices"][0]["text"] == reference(prompt + [9], MAX_TOKENS)[1]
+    assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
 def test_bad_route_header_is_a_400(auto):
     _, proxy = auto
     status, out = call(proxy.url, greedy(prompt_of(4, 1)), "sideways")

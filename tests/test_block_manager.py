@@ -85,3 +85,20 @@ def test_double_free_is_detected():
     bm.free(a)
     with pytest.raises(AssertionError):
         bm.free_blocks(blocks)
+
+
+def test_a_prefix_cache_reset_forgets_free_blocks_and_keeps_held_ones():
+    bm = BlockManager(num_blocks=16, block_size=4)
+    a, b = req("a", 8), req("b", 8, base=100)
+    for r in (a, b):
+        assert bm.allocate(r, 8)
+        r.num_computed_tokens = 8
+        bm.cache_full_blocks(r)
+    bm.free(a)  # a's blocks are free but findable; b still holds its own
+    assert len(bm.find_cached_prefix(req("a2", 9))) == 2
+    assert bm.reset_prefix_cache() == 2
+    assert bm.find_cached_prefix(req("a2", 9)) == []  # forgotten
+    assert bm.find_cached_prefix(req("b2", 9, base=100)) == b.block_table  # held: kept
+    assert bm.reset_prefix_cache() == 0
+    bm.free(b)
+    bm.check_invariants()

@@ -10,7 +10,7 @@ import json
 import urllib.request
 
 import pytest
-from kvpush_testing import BS, MAX_TOKENS, Cluster, completion, metric, prompt_of, wait_for
+from kvpush_testing import BS, MAX_TOKENS, Cluster, completion, metric, post, prompt_of, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -64,6 +64,22 @@ def test_prefix_cache_hits_on_decode(cluster, reference, first_token):
         assert usage["prompt_tokens_details"]["cached_tokens"] == 3 * BS and moved > 0
     else:
         assert usage["prompt_tokens_details"]["cached_tokens"] == 4 * BS and moved == 0
+
+
+def test_a_prefix_cache_reset_through_the_proxy_makes_the_next_request_cold(cluster, reference):
+    """POST /reset_prefix_cache on the proxy: P and D forget what they cached; the same prompt then
+    moves its whole KV again (as a benchmark's next run would)."""
+    url = cluster.proxies["recompute"].url
+    base = prompt_of(4 * BS, seed=77 + len(cluster.mode))
+    completion(url, base, logprobs=False)
+    assert completion(url, base + [7], logprobs=False)[2]["prompt_tokens_details"]["cached_tokens"] == 4 * BS
+    status, out = post(url + "/reset_prefix_cache", {})
+    assert status == 200 and len(out["reset"]) == 2, out
+    bytes_before = metric(cluster.decodes[0].url, "kvpush_kv_transfer_bytes_total")
+    _, text, usage = completion(url, base + [7], logprobs=False)
+    assert text == reference(base + [7])[1]
+    assert usage["prompt_tokens_details"]["cached_tokens"] == 0
+    assert metric(cluster.decodes[0].url, "kvpush_kv_transfer_bytes_total") > bytes_before
 
 
 def test_streaming_through_proxy(cluster, reference):

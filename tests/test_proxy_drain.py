@@ -31,12 +31,15 @@ class Fake:
         self.shed = False  # answer 429 with Retry-After (no capacity)
         self.plain = 0  # completions received without kv_transfer_params (an auto proxy's local route)
         self.leg_delay_s = 0.0  # D: how long a leg with kv_transfer_params takes to answer
+        self.resets = 0  # POST /reset_prefix_cache received
+        self.reset_status = 200
         self.runner: web.AppRunner | None = None
 
     async def start(self) -> Fake:
         app = web.Application()
         app.router.add_get("/v1/kv_info", self.kv_info)
         app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/reset_prefix_cache", self.reset)
         self.runner = web.AppRunner(app)
         await self.runner.setup()
         await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
@@ -46,6 +49,10 @@ class Fake:
         return web.json_response({"engine_id": f"{self.role}-{self.port}", "role": self.role, "kv_mode": self.mode,
                                   "kv_host": "127.0.0.1", "kv_port": 1, "block_size": 16, "max_model_len": 512,
                                   "draining": self.draining})
+
+    async def reset(self, request: web.Request) -> web.Response:
+        self.resets += 1
+        return web.json_response({"reset": True}, status=self.reset_status)
 
     async def completions(self, request: web.Request) -> web.Response:
         self.hits += 1

@@ -254,3 +254,16 @@ def test_auto_variant_flags_are_parsed_and_bad_names_refused():
                 ["w3=--auto-stall-weight -1"]):
         with pytest.raises(SystemExit):
             cli.parse_variants(ap, bad)
+
+
+def test_same_processes_runs_every_fixed_mode_as_a_route_on_autos_processes_on_autos_prompts():
+    from kvpush.bench.regime import run_seed, same_processes_modes
+
+    modes = same_processes_modes(("colocated", "pull", "push", "push-layerwise", "auto"))
+    assert modes == ("colocated", "auto", "auto@pull", "auto@push", "auto@push-layerwise")
+    assert same_processes_modes(("push", "auto")) == ("auto", "auto@push")
+    cfg = MapConfig(model="m", modes=modes, reset_caches=True)  # caches reset before each run: paired prompts
+    assert {run_seed(cfg, 3, 1, m) for m in modes} == {run_seed(cfg, 3, 1, "auto")}
+    s = summarize(Cell("full", 128, 256, 0.8, "none"), 1.0, {"auto": [run(spread(105))], "auto@push": [run(spread(100))],
+                                                             "auto@pull": [run(spread(120))]}, {})
+    assert s["auto_vs_forced"]["best"] == "auto@push" and s["push_vs_pull"]["ttft_p50"]["verdict"] == "auto@push better"

@@ -78,6 +78,9 @@ class MapConfig:
     rows: tuple[str, ...] = ()  # only these rows of the grid ("2048/256"); empty: every row
     loads: tuple[float, ...] = ()  # only these loads of the grid (0.8); empty: every load
     prefixes: tuple[str, ...] = ()  # only these prefixes of the grid ("none"); empty: every prefix
+    # every endpoint's prefix caches reset before each run (POST /reset_prefix_cache): routes forced on
+    # the auto deployment then run the fixed modes' prompts, paired (see same_processes_modes)
+    reset_caches: bool = False
 
 
 @dataclass(frozen=True)
@@ -116,9 +119,18 @@ def run_cell(cfg: MapConfig, suite: SuiteConfig, fleet: Fleet, cell: Cell, rate:
 def run_seed(cfg: MapConfig, index: int, rep: int, mode: str) -> int:
     """The prompt set (and arrival times) of the cell's `index`-th position, repeat `rep`, for `mode`."""
     seed = cfg.seed + 1000 * index + rep
-    if mode in FORCED and shares_auto_deployment(cfg.modes, mode):
+    if mode in FORCED and shares_auto_deployment(cfg.modes, mode) and not cfg.reset_caches:
         seed += 100 * (1 + FORCED.index(mode))  # auto's deployment would serve repeated prompts from its caches
     return seed
+
+
+def same_processes_modes(modes: tuple[str, ...]) -> tuple[str, ...]:
+    """`--same-processes`: each fixed mode runs as its route forced on the auto deployment (auto@X), next
+    to auto itself (and colocated, its own server): every route on the same P and D processes, so that
+    no deployment's process speed (5-10% apart between processes of the same code) enters auto against
+    the routes. With reset_caches, on the same prompts."""
+    out = [m for m in modes if m == "colocated"] + ["auto"]
+    return tuple(out + [f"auto@{m}" for m in FIXED if m in modes or f"auto@{m}" in modes])
 
 
 def shares_auto_deployment(modes: tuple[str, ...], mode: str) -> bool:
@@ -156,10 +168,19 @@ def _run_mode(cfg: MapConfig, suite: SuiteConfig, fleet: Fleet, cell: Cell, rate
         args.dataset, args.session_turns, args.turn_len = cell.prefix, cfg.turns, cfg.turn_len
     if mode in FORCED:
         args.kv_route = mode.split("@", 1)[1]
+    if cfg.reset_caches:
+        reset_prefix_caches(fleet.urls[mode])
     before = _routes(fleet.urls[mode]) if mode == "auto" else None  # a variant's: from its requests (summarize)
     doc, _ = bench_cli._one_run(args, 0, rate, cfg.model)
     after = _routes(fleet.urls[mode]) if before is not None else None
     return doc, ({r: after[r] - before[r] for r in ROUTES} if after and before else {})
+
+
+def reset_prefix_caches(url: str) -> None:
+    """POST /reset_prefix_cache to an endpoint (a proxy resets its instances and its own tracking)."""
+    req = urllib.request.Request(url + "/reset_prefix_cache", data=b"", method="POST")
+    with urllib.request.urlopen(req, timeout=30) as r:
+        r.read()
 
 
 def _pct(values: list[float], stat: Stat) -> float | None:
@@ -188,6 +209,8 @@ def summarize(cell: Cell, rate: float, runs: dict[str, list[dict]], routes: dict
     out: dict[str, Any] = {"cell": asdict(cell), "name": cell.name, "rate": rate, "modes": modes, "routes": routes}
     if "push" in runs and "pull" in runs:
         out["push_vs_pull"] = _compare(runs, "push", "pull")
+    elif "auto@push" in runs and "auto@pull" in runs:  # --same-processes: the routes on auto's processes
+        out["push_vs_pull"] = _compare(runs, "auto@push", "auto@pull")
     fixed = [m for m in FIXED if m in runs and modes[m]["ttft_p50_ms"] is not None]
     if "auto" in runs and fixed:
         best = _fastest(fixed, modes)

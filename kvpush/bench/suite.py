@@ -187,12 +187,17 @@ def bench_args(cfg: SuiteConfig, url: str, mode: str, rate: float, seed: int) ->
 
 
 def measure_capacity(cfg: SuiteConfig, fleet: Fleet) -> float:
-    """Completed requests per second of the slower 1P1D deployment, push or pull (else any), when every
-    request is sent at once (cfg.capacity_prompts of them, the suite's lengths): the rate both sustain."""
+    """Completed requests per second of the slower 1P1D deployment, push or pull (else those routes forced
+    on the auto deployment, else any deployment), when every request is sent at once (cfg.capacity_prompts
+    of them, the suite's lengths): the rate both sustain."""
     measured = []
-    for mode in [m for m in fleet.deployments if m in ("push", "pull")] or list(fleet.deployments):
+    modes = ([m for m in fleet.deployments if m in ("push", "pull")]
+             or [m for m in fleet.urls if m in ("auto@push", "auto@pull")] or list(fleet.deployments))
+    for mode in modes:
         args = bench_args(cfg, fleet.urls[mode], mode, float("inf"), cfg.seed + 999_999)
         args.num_prompts, args.result_dir = cfg.capacity_prompts, os.path.join(cfg.result_dir, "capacity")
+        if "@" in mode:
+            args.kv_route = mode.split("@", 1)[1]
         doc, _ = bench_cli._one_run(args, 0, float("inf"), cfg.model)
         measured.append(float(doc["metrics"]["request_throughput"]))
     if not measured:

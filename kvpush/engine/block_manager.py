@@ -143,6 +143,13 @@ class BlockManager:
                 del self.cached[block.block_hash]
             block.block_hash = None
 
+    def reset_prefix_cache(self) -> int:
+        """Forget the hashes of every free block (no request holds it), so that no later request finds
+        a prefix among them; blocks requests hold keep theirs. Returns how many were forgotten."""
+        ids = [b.block_id for b in self.blocks if b.ref_cnt == 0 and b.block_hash is not None]
+        self.uncache(ids)
+        return len(ids)
+
     # ---- internals -----------------------------------------------------------------------
     def _touch(self, block_id: int) -> None:
         block = self.blocks[block_id]

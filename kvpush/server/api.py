@@ -59,6 +59,7 @@ class OpenAIServer:
         app.router.add_get("/v1/kv_info", self.kv_info)
         app.router.add_get("/query", self.bootstrap_query)  # vllm-router --kv-connector mooncake asks this
         app.router.add_get("/metrics", self.metrics_endpoint)
+        app.router.add_post("/reset_prefix_cache", self.reset_prefix_cache)
         return app
 
     # ---- middlewares ---------------------------------------------------------------------
@@ -140,6 +141,12 @@ class OpenAIServer:
     async def metrics_endpoint(self, request: web.Request) -> web.Response:
         self.metrics.update_engine(self.engine.stats, self.engine.num_in_flight)
         return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
+
+    async def reset_prefix_cache(self, request: web.Request) -> web.Response:
+        """POST /reset_prefix_cache (as vLLM's): the engine forgets the cached prefix blocks no request
+        holds, before any request sent after this one; a benchmark's next run starts cold."""
+        self.engine.reset_prefix_cache()
+        return web.json_response({"reset": True})
 
     # ---- admission -----------------------------------------------------------------------
     def _check_model(self, model: str | None) -> None:

@@ -123,6 +123,10 @@ class EngineClient:
             self._send(m.AbortRequest(rid))
         return len(open_ids)
 
+    def reset_prefix_cache(self) -> None:
+        """The core forgets its cached prefix blocks before it takes any request sent after this."""
+        self._send(m.ResetPrefixCache())
+
     def refuse(self, kv_transfer_params: RequestLegParams) -> None:
         """A leg was shed before it reached the engine: the core's KV connector tells the peer."""
         if self.healthy:

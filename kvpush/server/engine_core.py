@@ -116,6 +116,9 @@ class EngineCore:
         elif isinstance(msg, m.RefuseLeg):
             if self.connector is not None:
                 self.connector.refuse(msg.kv_transfer_params)
+        elif isinstance(msg, m.ResetPrefixCache):
+            n = self.engine.block_manager.reset_prefix_cache()
+            log.info("prefix cache reset: %d cached blocks forgotten", n)
         elif isinstance(msg, m.Shutdown):
             self.stopped = True
 

@@ -1,6 +1,6 @@
 """Typed messages between the API process and the engine-core process (msgpack over a pipe).
 
-    API -> core:  AddRequest, AbortRequest, RefuseLeg, Shutdown
+    API -> core:  AddRequest, AbortRequest, RefuseLeg, ResetPrefixCache, Shutdown
     core -> API:  CoreReady (once, after the model is loaded), StepOutputs (deltas + stats),
                   CoreFailed (the core could not start or crashed; carries the reason)
 """
@@ -35,6 +35,11 @@ class RefuseLeg(msgspec.Struct, tag=True):
     """The API process shed a leg before it reached the engine: its KV connector tells the peer."""
 
     kv_transfer_params: RequestLegParams
+
+
+class ResetPrefixCache(msgspec.Struct, tag=True):
+    """Forget the cached prefix blocks no request holds (POST /reset_prefix_cache). The pipe keeps the
+    order: a request the API process sends after it finds no prefix from before."""
 
 
 class Shutdown(msgspec.Struct, tag=True):
@@ -104,7 +109,7 @@ class CoreFailed(msgspec.Struct, tag=True):
     reason: str
 
 
-ToCore = AddRequest | AbortRequest | RefuseLeg | Shutdown
+ToCore = AddRequest | AbortRequest | RefuseLeg | ResetPrefixCache | Shutdown
 FromCore = StepOutputs | CoreReady | CoreFailed
 
 _encoder = msgspec.msgpack.Encoder()

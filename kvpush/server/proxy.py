@@ -113,12 +113,14 @@ class Proxy(InstancePool):
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics_endpoint)
+        app.router.add_post("/reset_prefix_cache", self.reset_prefix_caches)
         return app
 
     @web.middleware
     async def error_middleware(self, request: web.Request, handler) -> web.StreamResponse:
         key = self.config.api_key
-        if key and request.path.startswith("/v1/") and request.headers.get("Authorization") != f"Bearer {key}":
+        guarded = request.path.startswith("/v1/") or request.path == "/reset_prefix_cache"
+        if key and guarded and request.headers.get("Authorization") != f"Bearer {key}":
             return R.error_response(401, "invalid or missing API key")
         try:
             return await handler(request)

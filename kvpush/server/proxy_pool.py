@@ -104,6 +104,30 @@ class InstancePool:
     def restarted(self, inst: Instance) -> None:
         """The instance came back with a new engine id (a hook for the proxy)."""
 
+    async def reset_prefix_caches(self, request: web.Request) -> web.Response:
+        """POST /reset_prefix_cache: every instance forgets its cached prefix blocks (each one's own
+        POST /reset_prefix_cache), and the proxy what it tracked of them (`restarted`). 502 with the
+        instances that failed, if any did: a benchmark must not start "cold" on a warm one."""
+        assert self.session is not None
+        every = self.prefills + self.decodes
+        failed = [i.url for i, ok in zip(every, await asyncio.gather(*(self._reset(i) for i in every)), strict=True)
+                  if not ok]
+        for inst in every:
+            self.restarted(inst)
+        if failed:
+            body = {"error": {"message": f"prefix cache reset failed on {', '.join(failed)}",
+                              "type": "server_error", "param": None, "code": "reset_failed"}}
+            return web.json_response(body, status=502)
+        return web.json_response({"reset": [i.url for i in every]})
+
+    async def _reset(self, inst: Instance) -> bool:
+        assert self.session is not None
+        try:
+            async with self.session.post(inst.url + "/reset_prefix_cache", timeout=aiohttp.ClientTimeout(total=10)) as r:
+                return r.status == 200
+        except (TimeoutError, aiohttp.ClientError):
+            return False
+
     # ---- choosing ------------------------------------------------------------------------
     def pick(self, pool: list[Instance], role: str, exclude: set[str] | None = None) -> Instance:
         healthy = [i for i in pool if i.usable and i.url not in (exclude or ())]
