@@ -13,9 +13,9 @@ answer ended, by the route it took, so that the model learns the same samples as
 Per cell it reports:
     est err    median |log(measured / estimate)| of the taken route's TTFT: how well the settings
                predict what was measured (the proxy's own estimates in the column "as run")
-    picks      the route the replayed model finds cheapest (no exploring, no near ties), counted,
+    picks      the route the replayed model takes (CostModel.choose: its exploring and near ties too),
                against the cell's best fixed mode by TTFT p50 (regime_map.json's auto_vs_best)
-    agree      the share of decisions whose cheapest route is that best fixed mode
+    agree      the share of decisions whose pick is that best fixed mode
 Counterfactual scores (where the map also ran the fixed modes, and colocated for local, on the same
 prompts: every mode of a cell draws the same prompts and arrival times): the TTFT each pick would have
 had is what the fixed deployment of that route measured for the same prompt, so a policy's choices are
@@ -48,11 +48,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kvpush.argtypes import non_negative_float, unit_fraction  # noqa: E402
+from kvpush.bench.regime import link_dir  # noqa: E402
 from kvpush.server.kv_choice import CostModel, Decision, Outcome, Route, outcome  # noqa: E402
 
 PAIR = ("p", "d")  # the regime map deploys 1P1D: one pair
 ROUTE_MODE = {"push": "push", "push-layerwise": "push-layerwise", "pull": "pull", "local": "colocated"}
 Answers = dict[tuple, dict[str, dict]]  # prompt_key -> {mode: its answer to that prompt}
+LINK = "replay_link"  # the key read_run adds to a run's config
 
 
 @dataclass
@@ -79,18 +81,21 @@ def _median(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
-def cell_key(config: dict) -> tuple[int, int, str, float]:
+def cell_key(config: dict) -> tuple[str, int, int, str, float]:
+    """(link folder, input, output, prefix, rate) of a run (its config, the link added by load_runs)."""
     prefix = "none" if config.get("dataset") == "random" else str(config.get("dataset"))
-    return int(config["input_len"]), int(config["output_len"]), prefix, round(float(config["request_rate"]), 4)
+    return (str(config.get(LINK, "full")), int(config["input_len"]), int(config["output_len"]), prefix,
+            round(float(config["request_rate"]), 4))
 
 
-def cells_of(result_dir: Path) -> dict[tuple[int, int, str, float], tuple[str, str | None]]:
-    """(input, output, prefix, rate) -> (cell name, best fixed mode) from the map's regime_map.json."""
+def cells_of(result_dir: Path) -> dict[tuple[str, int, int, str, float], tuple[str, str | None]]:
+    """cell_key -> (cell name, best fixed mode) from the map's regime_map.json."""
     doc = json.loads((result_dir / "regime_map.json").read_text())
     out = {}
     for c in doc.get("cells", []):
         cell = c["cell"]
-        key = int(cell["input_len"]), int(cell["output_len"]), cell["prefix"], round(float(c["rate"]), 4)
+        key = (link_dir(cell.get("link", "full")), int(cell["input_len"]), int(cell["output_len"]), cell["prefix"],
+               round(float(c["rate"]), 4))
         out[key] = (c["name"], (c.get("auto_vs_best") or {}).get("best"))
     return out
 
@@ -133,7 +138,7 @@ def load_answers(result_dir: Path) -> Answers:
     out: Answers = {}
     for mode in set(ROUTE_MODE.values()):
         for f in result_dir.glob(f"runs/*/{mode}-rate*.json"):
-            doc = json.loads(f.read_text())
+            doc = read_run(f)
             for q in doc.get("requests") or ():
                 if q.get("success") and q.get("ttft_s") is not None:
                     out.setdefault(prompt_key(doc["config"], int(q["index"])), {})[mode] = q
@@ -153,7 +158,7 @@ def replay(runs: list[dict], cells: dict, model: CostModel, answers: Answers | N
     results: dict[str, CellReplay] = {}
     pending: dict[int, tuple[Decision, Decision]] = {}
     for _, kind, q, config in events(runs):
-        name, best = cells.get(cell_key(config), (f"{config['input_len']}/{config['output_len']} ?", None))
+        name, best = cells.get(cell_key(config), (f"{config[LINK]} {config['input_len']}/{config['output_len']} ?", None))
         cell = results.setdefault(name, CellReplay(name, best))
         route = q["kvpush_route"]
         fixed = (answers or {}).get(prompt_key(config, int(q["index"])), {})
@@ -163,7 +168,7 @@ def replay(runs: list[dict], cells: dict, model: CostModel, answers: Answers | N
             picked = model.choose(copy.copy(d), allowed) if not d.forced else copy.copy(d)
             d.estimates_s, d.queue_s, d.residuals = picked.estimates_s, picked.queue_s, picked.residuals
             d.costs_s = {r: c for r, c in picked.costs_s.items()}
-            cell.picks[min(d.costs_s, key=lambda r: d.costs_s[r]) if d.costs_s else d.route.value] += 1
+            cell.picks[picked.route.value] += 1
             score(cell, q, d.route, picked.route, fixed)
             pending[id(q)] = (d, picked)
             continue
@@ -196,11 +201,18 @@ def load_runs(result_dir: Path, mode: str) -> list[dict]:
     files = sorted(result_dir.glob(f"runs/*/{mode}-rate*.json"))
     if not files:
         raise SystemExit(f"replay_auto: no runs/*/{mode}-rate*.json under {result_dir}")
-    return [json.loads(f.read_text()) for f in files]
+    return [read_run(f) for f in files]
+
+
+def read_run(f: Path) -> dict:
+    """A run JSON, its config told the link it ran over (the folder: runs/<link>/)."""
+    doc = json.loads(f.read_text())
+    doc["config"] = {**doc["config"], LINK: f.parent.name}
+    return doc
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| cell | best fixed | decisions | est err (replay) | est err (as run) | replay's cheapest | agree "
+    lines = ["| cell | best fixed | decisions | est err (replay) | est err (as run) | replay's picks | agree "
              "| scored | chosen / best | as run / best | auto / best | oracle / best |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -242,7 +254,9 @@ def main(argv: list[str] | None = None) -> int:
     errs = [r["est_err"] for r in rows if r["est_err"] is not None]
     agree = [r["agree"] for r in rows if r["agree"] is not None]
     print(f"\nmedian over cells: est err {statistics.median(errs):.3f}" if errs else "")
-    print(f"cells whose cheapest route is the best fixed mode in most decisions: {sum(a > 0.5 for a in agree)} of {len(agree)}")
+    print(f"cells whose pick is the best fixed mode in most decisions: {sum(a > 0.5 for a in agree)} of {len(agree)}")
+    if not any(r["scored"] for r in rows):
+        print("no choice scored: counterfactual scores need every fixed mode's and colocated's runs on the same prompts")
     for k in ("chosen", "as run", "auto", "oracle"):
         vs = [r["vs_best"][k] for r in rows if k in r["vs_best"]]
         if vs:

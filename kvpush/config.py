@@ -239,8 +239,8 @@ class ProxyConfig:
     auto_local_window_s: float = 10.0
     # --kv-mode auto: when a remote route is the cheapest, another remote route whose cost is within this
     # fraction of its cost is taken once 10 decisions went by without it (kv_choice.CostModel.tied): near
-    # ties settled by measuring; 0: off (the default: replayed over 189 cells of 13 maps, 0.2 scored
-    # 1.041 x the best fixed mode's TTFT p50 vs 1.015 without, README "Replaying auto's cost model")
+    # ties settled by measuring; 0: off (the default: replayed with --learn picked over 189 cells of 13 maps,
+    # 0.2 scored 1.040 x the best fixed mode's TTFT p50 against 1.016 without; README "Replaying auto's cost model")
     auto_near_tie: float = 0.0
     # --kv-mode auto: another remote route replaces the incumbent one (the remote route last chosen as the
     # cheapest) only when its cost is lower by more than this fraction (kv_choice.CostModel.cheapest):

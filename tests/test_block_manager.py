@@ -87,7 +87,7 @@ def test_double_free_is_detected():
         bm.free_blocks(blocks)
 
 
-def test_a_prefix_cache_reset_forgets_free_blocks_and_keeps_held_ones():
+def test_a_prefix_cache_reset_forgets_every_blocks_hash_and_a_running_request_registers_again():
     bm = BlockManager(num_blocks=16, block_size=4)
     a, b = req("a", 8), req("b", 8, base=100)
     for r in (a, b):
@@ -96,9 +96,11 @@ def test_a_prefix_cache_reset_forgets_free_blocks_and_keeps_held_ones():
         bm.cache_full_blocks(r)
     bm.free(a)  # a's blocks are free but findable; b still holds its own
     assert len(bm.find_cached_prefix(req("a2", 9))) == 2
-    assert bm.reset_prefix_cache() == 2
-    assert bm.find_cached_prefix(req("a2", 9)) == []  # forgotten
-    assert bm.find_cached_prefix(req("b2", 9, base=100)) == b.block_table  # held: kept
+    assert bm.reset_prefix_cache() == 4
+    assert bm.find_cached_prefix(req("a2", 9)) == []  # free: forgotten
+    assert bm.find_cached_prefix(req("b2", 9, base=100)) == []  # held (a lease, a running request): too
     assert bm.reset_prefix_cache() == 0
+    bm.cache_full_blocks(b)  # b computes on: its full blocks are findable again
+    assert bm.find_cached_prefix(req("b2", 9, base=100)) == b.block_table
     bm.free(b)
     bm.check_invariants()

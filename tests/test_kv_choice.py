@@ -663,5 +663,23 @@ def test_another_remote_route_takes_over_only_beyond_the_switch_margin():
     assert m.cheapest(both, {"push": 0.097, "push-layerwise": 0.100}) is Route.PUSH_LAYERWISE  # 3%: not enough
     assert m.cheapest(both, {"push": 0.094, "push-layerwise": 0.100}) is Route.PUSH and m.incumbent is Route.PUSH
     m.switch_margin = 0.5
-    assert m.cheapest((*both, Route.LOCAL), {"push": 0.100, "push-layerwise": 0.070, "local": 0.099}) is Route.LOCAL
-    assert m.incumbent is Route.PUSH  # a local choice leaves the incumbent as it was
+    three = (*both, Route.LOCAL)
+    assert m.cheapest(three, {"push": 0.100, "push-layerwise": 0.070, "local": 0.060}) is Route.LOCAL
+    # local against the cheapest remote route at its own cost: push-layerwise is cheaper than local here,
+    # so a remote route is taken - push, the incumbent, push-layerwise being within the margin
+    assert m.cheapest(three, {"push": 0.100, "push-layerwise": 0.070, "local": 0.099}) is Route.PUSH
+    assert m.incumbent is Route.PUSH
+
+
+def test_a_forced_route_an_exploration_or_a_lone_remote_route_leaves_the_incumbent():
+    m = push_biased(0.0)
+    m.switch_margin = 0.2
+    forced = decision(tokens=512)
+    forced.forced = True
+    assert m.choose(forced, (Route.PULL,)).route is Route.PULL and m.incumbent is Route.PUSH
+    assert m.choose(decision(tokens=512), (Route.PUSH_LAYERWISE, Route.LOCAL)).route is not Route.PUSH
+    assert m.incumbent is Route.PUSH
+    m.decisions = EXPLORE_EVERY_LATER - 1  # the next decision explores: the route taken least recently
+    m.taken_at[Route.PUSH] = m.decisions
+    d = m.choose(decision(tokens=512), (Route.PUSH, Route.PUSH_LAYERWISE))
+    assert d.reason == "explore" and d.route is Route.PUSH_LAYERWISE and m.incumbent is Route.PUSH

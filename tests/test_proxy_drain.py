@@ -91,12 +91,12 @@ class Fake:
             await self.runner.cleanup()
 
 
-async def deploy(mode: str, decodes: list[Fake], prefills: list[Fake] | None = None):
+async def deploy(mode: str, decodes: list[Fake], prefills: list[Fake] | None = None, api_key: str | None = None):
     prefills = prefills or [Fake("prefill", mode)]
     for f in [*prefills, *decodes]:
         await f.start()
     config = ProxyConfig(prefill_urls=tuple(f.url for f in prefills), decode_urls=tuple(f.url for f in decodes),
-                         kv_mode=KVMode(mode), probe_interval_s=3600)  # no re-probe during the test
+                         kv_mode=KVMode(mode), probe_interval_s=3600, api_key=api_key)  # no re-probe in the test
     proxy = Proxy(config)
     await proxy.start(wait_s=10)
     runner = web.AppRunner(proxy.build_app())

@@ -31,3 +31,19 @@ def test_every_instance_is_reset_and_a_failure_is_a_502_naming_it():
             await teardown(proxy, runner, [*prefills, d1, d2])
 
     asyncio.run(main())
+
+
+def test_the_reset_needs_the_proxys_api_key_and_skips_a_draining_instance():
+    async def main():
+        d1, d2 = Fake("decode", "push"), Fake("decode", "push", draining=True)
+        proxy, runner, url, prefills = await deploy("push", [d1, d2], api_key="k")
+        try:
+            status, out = await reset(url)
+            assert status == 401 and out["error"]["message"] == "invalid or missing API key"
+            assert d1.resets == 0
+            status, out = await reset(url, {"Authorization": "Bearer k"})
+            assert status == 200 and d2.url not in out["reset"] and (d1.resets, d2.resets) == (1, 0)
+        finally:
+            await teardown(proxy, runner, [*prefills, d1, d2])
+
+    asyncio.run(main())

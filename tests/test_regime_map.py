@@ -190,15 +190,18 @@ def test_a_map_of_some_loads_and_prefixes_runs_those_cells_alone():
 def test_a_route_forced_on_an_auto_deployment_of_its_own_is_paired_with_the_fixed_mode():
     """With nothing else on the auto deployment, auto@push gets push's prompts (its caches never saw
     them) and the summary says what the all-modes deployment costs the route; next to auto it cannot."""
-    from kvpush.bench.regime import run_seed
+    from kvpush.bench.regime import paired_forced, run_seed
 
     alone = MapConfig(model="m", modes=("push", "auto@push"))
     assert run_seed(alone, 3, 1, "auto@push") == run_seed(alone, 3, 1, "push")
+    assert paired_forced(alone) == ("auto@push",)
+    assert paired_forced(MapConfig(model="m", modes=("push", "auto", "auto@push"))) == ()
     shared = MapConfig(model="m", modes=("push", "auto@push", "auto@pull"))
     assert run_seed(shared, 3, 1, "auto@push") != run_seed(shared, 3, 1, "push")
     assert run_seed(MapConfig(model="m"), 3, 1, "auto@push") != run_seed(MapConfig(model="m"), 3, 1, "push")
-    s = summarize(Cell("full", 128, 256, 0.8, "none"), 1.0,
-                  {"push": [run(spread(100))], "auto@push": [run(spread(110))]}, {})
+    runs = {"push": [run(spread(100))], "auto@push": [run(spread(110))]}
+    assert "forced_vs_fixed" not in summarize(Cell("full", 128, 256, 0.8, "none"), 1.0, runs, {})  # not paired
+    s = summarize(Cell("full", 128, 256, 0.8, "none"), 1.0, runs, {}, paired_forced=("auto@push",))
     r = s["forced_vs_fixed"]["auto@push"]["ttft_p50"]
     assert r["ratio"] == pytest.approx(1.1, rel=0.02) and r["verdict"] == "push better"
     assert "auto_vs_forced" not in s and "auto_vs_best" not in s

@@ -99,4 +99,4 @@ def test_learning_from_the_picked_routes_answers_closes_the_loop(tmp_path: Path)
     assert replay_auto.main([str(d), "--json", str(taken)]) == 0
     assert replay_auto.main([str(d), "--learn", "picked", "--json", str(picked)]) == 0
     pull = [json.loads(f.read_text())["cells"][0]["picks"].get("pull", 0) for f in (taken, picked)]
-    assert pull[0] == 0 and pull[1] > 30, pull
+    assert pull[0] <= 5 and pull[1] > 30, pull  # (taken: pull only when exploring)

@@ -113,7 +113,12 @@ def _routes(url: str) -> dict[str, float]:
 
 def run_cell(cfg: MapConfig, suite: SuiteConfig, fleet: Fleet, cell: Cell, rate: float, index: int) -> dict[str, Any]:
     """Every mode on the same prompts at `rate`, cfg.repeats times; requests pooled per mode."""
-    return summarize(cell, rate, *cell_runs(cfg, suite, fleet, cell, rate, index))
+    return summarize(cell, rate, *cell_runs(cfg, suite, fleet, cell, rate, index), paired_forced=paired_forced(cfg))
+
+
+def paired_forced(cfg: MapConfig) -> tuple[str, ...]:
+    """The forced routes of the map that ran the fixed modes' prompts (run_seed): compared with them."""
+    return tuple(m for m in FORCED if m in cfg.modes and (cfg.reset_caches or not shares_auto_deployment(cfg.modes, m)))
 
 
 def run_seed(cfg: MapConfig, index: int, rep: int, mode: str) -> int:
@@ -195,7 +200,8 @@ def _ratio(a: list[dict], b: list[dict], metric: str, stat: Stat, a_name: str, b
     return {"ratio": est, "lo": lo, "hi": hi, "verdict": verdict(lo, hi, a_name, b_name), "text": fmt_ci(est, lo, hi)}
 
 
-def summarize(cell: Cell, rate: float, runs: dict[str, list[dict]], routes: dict[str, float]) -> dict[str, Any]:
+def summarize(cell: Cell, rate: float, runs: dict[str, list[dict]], routes: dict[str, float],
+              paired_forced: tuple[str, ...] = ()) -> dict[str, Any]:
     """Per mode (requests of its runs pooled): requests, failures, TTFT p50/p99, TPOT p50 (ms);
     push/pull, auto/best-fixed and auto/each-fixed ratios; per auto variant (auto+NAME) its ratios to
     auto and to each fixed mode, and the routes its measured requests took."""
@@ -220,7 +226,7 @@ def summarize(cell: Cell, rate: float, runs: dict[str, list[dict]], routes: dict
     if "auto" in runs and forced:
         best = _fastest(forced, modes)
         out["auto_vs_forced"] = {"best": best, **_compare(runs, "auto", best)}
-    if pairs := [m for m in forced if m.split("@", 1)[1] in runs]:  # the all-modes deployment's own cost
+    if pairs := [m for m in forced if m in paired_forced and m.split("@", 1)[1] in runs]:  # the deployment's cost
         out["forced_vs_fixed"] = {m: _compare(runs, m, m.split("@", 1)[1]) for m in pairs}
     variants = [m for m in runs if variant_name(m) is not None]
     if variants:

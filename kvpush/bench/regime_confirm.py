@@ -42,6 +42,7 @@ from kvpush.bench.regime import (
     cell_runs,
     link_dir,
     open_link,
+    paired_forced,
     row_suite,
     run_seed,
     start_fleet,
@@ -182,7 +183,7 @@ def _confirm_cell(cfg: MapConfig, screen_cell: dict, index: int, base: SuiteConf
                              first_rep=screen_repeats)
     pooled = {m: before.get(m, []) + new for m, new in runs.items()}
     moved = {r: routes.get(r, 0.0) + float((screen_cell.get("routes") or {}).get(r, 0.0)) for r in ROUTES}
-    summary = summarize(cell, rate, pooled, moved)
+    summary = summarize(cell, rate, pooled, moved, paired_forced(cfg))
     summary.update(index=index, capacity=screen_cell.get("capacity"),
                    screen={k: screen_cell.get(k) for k in ("modes", "push_vs_pull", "auto_vs_best", "variants")})
     return summary

@@ -144,9 +144,10 @@ class BlockManager:
             block.block_hash = None
 
     def reset_prefix_cache(self) -> int:
-        """Forget the hashes of every free block (no request holds it), so that no later request finds
-        a prefix among them; blocks requests hold keep theirs. Returns how many were forgotten."""
-        ids = [b.block_id for b in self.blocks if b.ref_cnt == 0 and b.block_hash is not None]
+        """Forget every block's hash, so that no later request finds a prefix cached before now (blocks
+        a request still holds, a pull lease's included, too: a running request registers its full
+        blocks again as it computes). Returns how many were forgotten."""
+        ids = [b.block_id for b in self.blocks if b.block_hash is not None]
         self.uncache(ids)
         return len(ids)
 

@@ -143,8 +143,10 @@ class OpenAIServer:
         return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
 
     async def reset_prefix_cache(self, request: web.Request) -> web.Response:
-        """POST /reset_prefix_cache (as vLLM's): the engine forgets the cached prefix blocks no request
-        holds, before any request sent after this one; a benchmark's next run starts cold."""
+        """POST /reset_prefix_cache (as vLLM's): the engine forgets its cached prefix blocks before any
+        request sent after this one; a benchmark's next run starts cold. 503 while the engine is down."""
+        if not self.engine.healthy:
+            return self._error(503, "the engine is not running")
         self.engine.reset_prefix_cache()
         return web.json_response({"reset": True})
 

@@ -69,10 +69,11 @@ Estimates and costs (seconds):
                every remote route together (local apart), fresh prompts and prompts D holds a prefix
                of apart, the newest weighted residual_alpha (kv_fit.Residuals). The stall local
                charges and P's delay to others are not corrected
-The cheapest route wins, a remote route other than the incumbent (the remote route the last cheapest
-choice settled on; push at first) counted switch_margin dearer (`cheapest`): remote routes differ by
-less than the fits' error where the link is fast, and the cheapest of noisy near-equal estimates is
-noise. With near_tie > 0 (off by default), a remote route whose cost is within near_tie of the
+The cheapest route wins (`cheapest`): local when no remote route costs less; else among the remote
+routes one other than the incumbent (the remote route the last free choice between remote routes
+settled on; push at first; a forced, explored or tied decision leaves it) counts switch_margin
+dearer: remote routes differ by less than the fits' error where the link is fast, and the cheapest
+of noisy near-equal estimates is noise. With near_tie > 0 (off by default), a remote route whose cost is within near_tie of the
 cheapest's (a remote route) and that no decision took for TIE_EVERY decisions takes this one (`tied`).
 Every EXPLORE_EVERY-th decision (every EXPLORE_EVERY_LATER-th once each route has WELL_MEASURED
 samples and none has gone STALE_AFTER decisions without being taken) takes another route instead:
@@ -286,16 +287,20 @@ class CostModel:
         return d
 
     def cheapest(self, allowed: tuple[Route, ...], costs: dict[str, float]) -> Route:
-        """The cheapest route, a remote one other than the incumbent (the remote route the last choice
-        between remote routes settled on) counted switch_margin dearer: the fits tell remote routes apart
-        only to about their error, so another remote route takes over only when it is cheaper beyond it."""
-        incumbent = self.incumbent if self.incumbent in allowed else None
+        """Local if it is allowed and no remote route is cheaper (the margin plays no part there); else the
+        remote route to take: the cheapest, a remote route other than the incumbent (the remote route the
+        last free choice between remote routes settled on) counted switch_margin dearer, since the fits
+        tell remote routes apart only to about their error. Only a choice between two or more remote
+        routes settles the incumbent: a route the client forced (the only one allowed) never does."""
+        remote = [r for r in allowed if r.remote]
+        if Route.LOCAL in allowed and (not remote or costs["local"] <= min(costs[r.value] for r in remote)):
+            return Route.LOCAL
+        incumbent = self.incumbent if self.incumbent in remote else None
 
         def ranked(r: Route) -> float:
-            handicap = r.remote and incumbent is not None and r is not incumbent
-            return costs[r.value] * (1.0 + self.switch_margin if handicap else 1.0)
-        best = min(allowed, key=ranked)
-        if best.remote:
+            return costs[r.value] * (1.0 + self.switch_margin if incumbent not in (None, r) else 1.0)
+        best = min(remote, key=ranked)
+        if len(remote) > 1:
             self.incumbent = best
         return best
 

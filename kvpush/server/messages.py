@@ -38,8 +38,8 @@ class RefuseLeg(msgspec.Struct, tag=True):
 
 
 class ResetPrefixCache(msgspec.Struct, tag=True):
-    """Forget the cached prefix blocks no request holds (POST /reset_prefix_cache). The pipe keeps the
-    order: a request the API process sends after it finds no prefix from before."""
+    """Forget every cached prefix block (POST /reset_prefix_cache). The pipe keeps the order: a request
+    the API process sends after it finds no prefix from before."""
 
 
 class Shutdown(msgspec.Struct, tag=True):

@@ -106,14 +106,16 @@ class InstancePool:
 
     async def reset_prefix_caches(self, request: web.Request) -> web.Response:
         """POST /reset_prefix_cache: every instance forgets its cached prefix blocks (each one's own
-        POST /reset_prefix_cache), and the proxy what it tracked of them (`restarted`). 502 with the
-        instances that failed, if any did: a benchmark must not start "cold" on a warm one."""
+        POST /reset_prefix_cache), and the proxy what it tracked of those that did (`restarted`). A
+        draining instance is left out (it takes no new request). 502 with the instances that failed, if
+        any did: a benchmark must not start "cold" on a warm one."""
         assert self.session is not None
-        every = self.prefills + self.decodes
-        failed = [i.url for i, ok in zip(every, await asyncio.gather(*(self._reset(i) for i in every)), strict=True)
-                  if not ok]
-        for inst in every:
-            self.restarted(inst)
+        every = [i for i in self.prefills + self.decodes if not i.draining]
+        done = await asyncio.gather(*(self._reset(i) for i in every))
+        failed = [i.url for i, ok in zip(every, done, strict=True) if not ok]
+        for inst, ok in zip(every, done, strict=True):
+            if ok:
+                self.restarted(inst)
         if failed:
             body = {"error": {"message": f"prefix cache reset failed on {', '.join(failed)}",
                               "type": "server_error", "param": None, "code": "reset_failed"}}
