@@ -269,4 +269,4 @@ def test_same_processes_runs_every_fixed_mode_as_a_route_on_autos_processes_on_a
     assert {run_seed(cfg, 3, 1, m) for m in modes} == {run_seed(cfg, 3, 1, "auto")}
     s = summarize(Cell("full", 128, 256, 0.8, "none"), 1.0, {"auto": [run(spread(105))], "auto@push": [run(spread(100))],
                                                              "auto@pull": [run(spread(120))]}, {})
-    assert s["auto_vs_forced"]["best"] == "auto@push" and s["push_vs_pull"]["ttft_p50"]["verdict"] == "auto@push better"
+    assert s["auto_vs_forced"]["best"] == "auto@push" and s["push_vs_pull"]["ttft_p50"]["verdict"] == "push better"

@@ -216,7 +216,8 @@ def summarize(cell: Cell, rate: float, runs: dict[str, list[dict]], routes: dict
     if "push" in runs and "pull" in runs:
         out["push_vs_pull"] = _compare(runs, "push", "pull")
     elif "auto@push" in runs and "auto@pull" in runs:  # --same-processes: the routes on auto's processes
-        out["push_vs_pull"] = _compare(runs, "auto@push", "auto@pull")
+        out["push_vs_pull"] = {k: r and {**r, "verdict": r["verdict"].replace("auto@", "")}
+                               for k, r in _compare(runs, "auto@push", "auto@pull").items()}
     fixed = [m for m in FIXED if m in runs and modes[m]["ttft_p50_ms"] is not None]
     if "auto" in runs and fixed:
         best = _fastest(fixed, modes)
