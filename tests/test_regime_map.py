@@ -270,3 +270,5 @@ def test_same_processes_runs_every_fixed_mode_as_a_route_on_autos_processes_on_a
     s = summarize(Cell("full", 128, 256, 0.8, "none"), 1.0, {"auto": [run(spread(105))], "auto@push": [run(spread(100))],
                                                              "auto@pull": [run(spread(120))]}, {})
     assert s["auto_vs_forced"]["best"] == "auto@push" and s["push_vs_pull"]["ttft_p50"]["verdict"] == "push better"
+    assert set(s["auto_vs_each"]) == {"auto@push", "auto@pull"}  # the routes stand for the fixed modes
+    assert s["auto_vs_each"]["auto@pull"]["ttft_p99"]["verdict"] == "auto better"

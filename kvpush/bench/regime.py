@@ -227,6 +227,8 @@ def summarize(cell: Cell, rate: float, runs: dict[str, list[dict]], routes: dict
     if "auto" in runs and forced:
         best = _fastest(forced, modes)
         out["auto_vs_forced"] = {"best": best, **_compare(runs, "auto", best)}
+        if not fixed:  # --same-processes: the routes stand for the fixed modes (the mixed target's "each")
+            out["auto_vs_each"] = {m: _compare(runs, "auto", m) for m in forced}
     if pairs := [m for m in forced if m in paired_forced and m.split("@", 1)[1] in runs]:  # the deployment's cost
         out["forced_vs_fixed"] = {m: _compare(runs, m, m.split("@", 1)[1]) for m in pairs}
     variants = [m for m in runs if variant_name(m) is not None]
