@@ -72,6 +72,8 @@ def test_token_id_prompts_match_by_whole_blocks():
     assert t.matched(PromptKey.of({"prompt": ids(5 * BS, seed=1)}, BS)) == 0
     key = PromptKey.of({"prompt": ids(5 * BS + 3)}, BS)
     assert key.exact_tokens == 5 * BS + 3 and key.unit_tokens == BS
+    odd = PromptKey.of({"prompt": ids(2 * BS) + [1.5]}, BS)  # not token ids: counted as text, never exact
+    assert odd.exact_tokens is None and odd.unit_tokens is None
 
 
 def test_chat_turns_share_the_conversation_prefix():

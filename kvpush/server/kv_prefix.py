@@ -31,15 +31,18 @@ class PromptKey:
         prompt = body.get("prompt") if "messages" not in body else None
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # one prompt in a list (several are split by the proxy before this)
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-            units = [repr(prompt[i : i + block_size]) for i in range(0, len(prompt) - block_size + 1, block_size)]
-            return cls(_chain(units), block_size, 0, len(prompt))
+        if isinstance(prompt, list) and prompt and set(map(type, prompt)) <= _INT_TYPES:  # (map: no Python loop)
+            chunks = [tuple(prompt[i : i + block_size]) for i in range(0, len(prompt) - block_size + 1, block_size)]
+            return cls(_chain(chunks), block_size, 0, len(prompt))
         text = prompt if isinstance(prompt, str) else _messages_text(body.get("messages"))
         units = [text[i : i + CHARS_PER_UNIT] for i in range(0, len(text) - CHARS_PER_UNIT + 1, CHARS_PER_UNIT)]
         return cls(_chain(units), None, len(text), None)
 
 
-def _chain(units: list[str]) -> tuple[int, ...]:
+_INT_TYPES = {int, bool}  # what isinstance(t, int) accepts (bool is an int)
+
+
+def _chain(units: list[str] | list[tuple[int, ...]]) -> tuple[int, ...]:
     """Chained hashes: the i-th names the whole prefix up to chunk i (this process only)."""
     out, h = [], 0
     for u in units:
