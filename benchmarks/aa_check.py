@@ -1,0 +1,78 @@
+"""How often does one run against one run of the *same* mode come out "beyond the interval"? An A/A
+check of the regime map's one-run verdicts, from maps that ran each mode more than once per cell.
+
+    python benchmarks/aa_check.py kvpush-results/mixed_same16 kvpush-results/deploy16a
+
+Per map, cell and mode with two or more runs: disjoint pairs of its runs (1st vs 2nd, 3rd vs 4th,
+...), each compared as the map compares two modes from one run each (the TTFT p50, TTFT p99 and
+TPOT p50 ratio with its 95% bootstrap interval over the requests, `regime._ratio`). The runs of a
+pair are the same mode on the same processes, at the same rate, on other prompts of the same
+kind (so the interval is unpaired, if anything wider than the map's paired one between two modes on
+the same prompts): any verdict but "cannot tell" is a false positive, which a 95% interval should
+give about 5% of the time. What it measures is the run-to-run variance that an interval over one run's requests
+leaves out (those requests share one run's queue and batch dynamics).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from kvpush.bench.regime import _ratio  # noqa: E402
+from kvpush.bench.stats import p50, p99  # noqa: E402
+
+CHECKS = (("ttft_p50", "ttft", p50), ("ttft_p99", "ttft", p99), ("tpot_p50", "tpot", p50))
+
+
+def runs_by_cell(result_dir: Path) -> dict[tuple, list[dict]]:
+    """(link, input, output, dataset, rate, mode) -> that mode's runs there, in the order they ran."""
+    out: dict[tuple, list[dict]] = defaultdict(list)
+    for f in sorted(result_dir.glob("runs/*/*-rate*.json")):
+        doc = json.loads(f.read_text())
+        c = doc["config"]
+        out[(f.parent.name, c["input_len"], c["output_len"], c["dataset"], round(float(c["request_rate"]), 4),
+             c["mode_label"])].append(doc)
+    for docs in out.values():
+        docs.sort(key=lambda d: float((d.get("run") or {}).get("started_at_unix", 0.0)))
+    return out
+
+
+def check(result_dirs: list[Path]) -> dict[str, dict[str, int]]:
+    """Per metric: {"pairs": n, "beyond": k} over every disjoint pair of same-mode runs."""
+    out = {name: {"pairs": 0, "beyond": 0} for name, _, _ in CHECKS}
+    for d in result_dirs:
+        for docs in runs_by_cell(d).values():
+            for a, b in zip(docs[0::2], docs[1::2], strict=False):
+                for name, metric, stat in CHECKS:
+                    r = _ratio([a], [b], metric, stat, "first", "second")
+                    if r is None:
+                        continue
+                    out[name]["pairs"] += 1
+                    out[name]["beyond"] += r["verdict"] != "cannot tell"
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("result_dirs", type=Path, nargs="+", metavar="result_dir")
+    args = ap.parse_args(argv)
+    missing = [str(d) for d in args.result_dirs if not any(d.glob("runs/*/*-rate*.json"))]
+    if missing:
+        ap.error(f"no runs/*/*-rate*.json under {', '.join(missing)}")
+    counts = check(args.result_dirs)
+    for name, c in counts.items():
+        share = c["beyond"] / c["pairs"] if c["pairs"] else float("nan")
+        print(f"{name}: {c['beyond']} of {c['pairs']} same-mode run pairs beyond the 95% interval ({share:.0%}; "
+              f"about 5% expected)")
+    if not any(c["pairs"] for c in counts.values()):
+        print("no cell ran a mode twice: run the map with --repeats 2 or more")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,36 @@
+"""benchmarks/aa_check.py: same-mode run pairs compared as the regime map compares two modes."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+spec = importlib.util.spec_from_file_location("aa_check", Path(__file__).parents[1] / "benchmarks/aa_check.py")
+assert spec is not None and spec.loader is not None
+aa_check = importlib.util.module_from_spec(spec)
+sys.modules["aa_check"] = aa_check
+spec.loader.exec_module(aa_check)
+
+
+def write_run(folder: Path, name: str, mode: str, seed: int, started: float, ttft_ms: float) -> None:
+    config = {"input_len": 128, "output_len": 32, "dataset": "random", "request_rate": 1.0, "mode_label": mode,
+              "seed": seed}
+    reqs = [{"index": i, "success": True, "ttft_s": ttft_ms * (0.9 + 0.2 * i / 29) / 1e3,
+             "e2el_s": 0.5, "output_tokens": 32} for i in range(30)]
+    (folder / name).write_text(json.dumps({"config": config, "run": {"started_at_unix": started}, "requests": reqs}))
+
+
+def test_same_mode_pairs_count_as_beyond_only_when_their_runs_differ(tmp_path: Path, capsys) -> None:
+    folder = tmp_path / "runs" / "full"
+    folder.mkdir(parents=True)
+    write_run(folder, "push-rate1.0-a.json", "push", 1, 1.0, 40.0)
+    write_run(folder, "push-rate1.0-b.json", "push", 2, 2.0, 40.0)  # the same: cannot tell
+    write_run(folder, "pull-rate1.0-a.json", "pull", 1, 1.0, 40.0)
+    write_run(folder, "pull-rate1.0-b.json", "pull", 2, 2.0, 60.0)  # 1.5x apart: beyond
+    write_run(folder, "auto-rate1.0-a.json", "auto", 1, 1.0, 40.0)  # one run: no pair
+    counts = aa_check.check([tmp_path])
+    assert counts["ttft_p50"] == {"pairs": 2, "beyond": 1}
+    assert aa_check.main([str(tmp_path)]) == 0
+    assert "ttft_p50: 1 of 2 same-mode run pairs beyond" in capsys.readouterr().out
