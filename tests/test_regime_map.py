@@ -107,6 +107,11 @@ def test_routes_forced_on_the_auto_deployment_are_compared_with_auto(tmp_path: P
     fleet = Fleet(SuiteConfig(model="m", modes=("push", "auto", "auto@push")), str(tmp_path))
     assert set(fleet.deployments) == {"push", "auto"}
     assert set(Fleet(SuiteConfig(model="m", modes=("push", "auto@push")), str(tmp_path)).deployments) == {"push", "auto"}
+    from kvpush.bench.suite import bench_args
+
+    cfg = SuiteConfig(model="m")
+    assert bench_args(cfg, "http://x", "auto@pull", 1.0, 0).kv_route == "pull"  # every run of it: map, capacity, suite
+    assert bench_args(cfg, "http://x", "auto", 1.0, 0).kv_route is None
 
 
 def test_link_only_maps_the_slow_link_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):

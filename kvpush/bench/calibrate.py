@@ -9,9 +9,9 @@ across such processes measures the process, not the mode, so each deployment is 
     PROBE   per deployment, `requests` sequential streamed requests of fresh random prompts through
             its endpoint (auto: route push forced, so that P and D both work): D's step = the median
             gap between tokens, P's prefill = the median of P's admitted -> prefill done stamps; then
-            `batch` requests at once: D's batched step = the median gap between tokens there (a
-            process can step as fast as the others alone and 20-40% slower with a batch: regime_rows16,
-            auto's D at 128/256 80% fresh against the push deployment's, the same arrivals)
+            `batch` requests at once: D's batched step = the median gap between tokens there (what a
+            loaded run's TPOT rests on; benchmarks/process_speed.py found processes of the same code up
+            to 1.11x apart there from start to start, 1.06x alone)
     CHECK   a deployment is slow when its step, batched step (or P's prefill) exceeds `slow_ratio` x
             the median of every deployment's (P: of every disaggregated one; push-layerwise's P is not
             judged, its layer hooks make it slower by design)

@@ -171,8 +171,6 @@ def _run_mode(cfg: MapConfig, suite: SuiteConfig, fleet: Fleet, cell: Cell, rate
     args.result_dir = os.path.join(cfg.result_dir, "runs", link_dir(cell.link))
     if cell.prefix in ("sessions", "mixed"):
         args.dataset, args.session_turns, args.turn_len = cell.prefix, cfg.turns, cfg.turn_len
-    if mode in FORCED:
-        args.kv_route = mode.split("@", 1)[1]
     if cfg.reset_caches:
         reset_prefix_caches(fleet.urls[mode])
     before = _routes(fleet.urls[mode]) if mode == "auto" else None  # a variant's: from its requests (summarize)

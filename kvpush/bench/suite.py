@@ -174,6 +174,8 @@ def idle_cpu_of(pids: dict[str, int], seconds: float) -> dict[str, float]:
 
 
 def bench_args(cfg: SuiteConfig, url: str, mode: str, rate: float, seed: int) -> argparse.Namespace:
+    """`kvpush bench` arguments of one run of `mode` at `rate`; a forced route (`deployment@route`)
+    sends its route in every request (X-KVPush-KV-Mode)."""
     parser = argparse.ArgumentParser()
     bench_cli.add_bench_arguments(parser)
     return parser.parse_args([
@@ -183,6 +185,7 @@ def bench_args(cfg: SuiteConfig, url: str, mode: str, rate: float, seed: int) ->
         "--request-rate", str(rate), "--seed", str(seed), "--mode-label", mode,
         "--vocab-size", str(cfg.vocab_size), "--avoid-token-ids", SPECIAL_IDS,
         *([] if cfg.progress else ["--no-progress"]),
+        *(["--kv-route", mode.split("@", 1)[1]] if "@" in mode else []),
     ])
 
 
@@ -196,8 +199,6 @@ def measure_capacity(cfg: SuiteConfig, fleet: Fleet) -> float:
     for mode in modes:
         args = bench_args(cfg, fleet.urls[mode], mode, float("inf"), cfg.seed + 999_999)
         args.num_prompts, args.result_dir = cfg.capacity_prompts, os.path.join(cfg.result_dir, "capacity")
-        if "@" in mode:
-            args.kv_route = mode.split("@", 1)[1]
         doc, _ = bench_cli._one_run(args, 0, float("inf"), cfg.model)
         measured.append(float(doc["metrics"]["request_throughput"]))
     if not measured:
