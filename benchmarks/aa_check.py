@@ -11,6 +11,10 @@ kind (so the interval is unpaired, if anything wider than the map's paired one b
 the same prompts): any verdict but "cannot tell" is a false positive, which a 95% interval should
 give about 5% of the time. What it measures is the run-to-run variance that an interval over one run's requests
 leaves out (those requests share one run's queue and batch dynamics).
+
+Maps run with `--twin MODE` (MODE#2: MODE again in every repeat, on the same prompts and processes)
+carry the map's own comparison of each twin with its mode: paired by prompt, runs resampled as well as
+requests when there are several. Their count ("twins") checks the intervals the map's verdicts use.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kvpush.bench.regime import _ratio  # noqa: E402
+from kvpush.bench.regime_report import aa_counts  # noqa: E402
 from kvpush.bench.stats import p50, p99  # noqa: E402
 
 CHECKS = (("ttft_p50", "ttft", p50), ("ttft_p99", "ttft", p99), ("tpot_p50", "tpot", p50))
@@ -57,6 +62,17 @@ def check(result_dirs: list[Path]) -> dict[str, dict[str, int]]:
     return out
 
 
+def twin_check(result_dirs: list[Path]) -> dict[str, list[int]]:
+    """Per metric, [beyond the interval, compared] over the twins' comparisons in the maps' regime_map.json."""
+    out = {name: [0, 0] for name, _, _ in CHECKS}
+    for d in result_dirs:
+        if (path := d / "regime_map.json").is_file():
+            for name, (k, n) in aa_counts(json.loads(path.read_text())["cells"]).items():
+                out[name][0] += k
+                out[name][1] += n
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("result_dirs", type=Path, nargs="+", metavar="result_dir")
@@ -71,6 +87,10 @@ def main(argv: list[str] | None = None) -> int:
               f"about 5% expected)")
     if not any(c["pairs"] for c in counts.values()):
         print("no cell ran a mode twice: run the map with --repeats 2 or more")
+    for name, (k, n) in twin_check(args.result_dirs).items():
+        if n:
+            print(f"{name}: {k} of {n} twins (MODE#2 vs MODE, the map's paired intervals) beyond the 95% interval "
+                  f"({k / n:.0%}; about 5% expected)")
     return 0
 
 

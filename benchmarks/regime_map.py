@@ -10,6 +10,8 @@
         # rerun the cells where auto vs the best fixed mode had a verdict, 2 more runs each, pooled
     python benchmarks/regime_map.py --mixed --auto-variant 'w1=--auto-stall-weight 1'
         # auto's settings side by side: auto+w1 is a deployment of its own on the same prompts
+    python benchmarks/regime_map.py --rows 128/256 --same-processes --repeats 2 --twin auto@push auto
+        # and an A/A check of the intervals: auto@push#2 and auto#2 rerun their modes on the same prompts
 
 Modes: colocated, pull, push, push-layerwise and auto (one deployment each, all up together; P and D
 pinned to separate halves of the cores), and auto+NAME per --auto-variant (auto with other flags). Grid: prompt length x output length x load (a fraction of
@@ -28,7 +30,16 @@ import shlex
 import sys
 from pathlib import Path
 
-from kvpush.bench.regime import FORCED, GRIDS, MODES, MapConfig, row_names, run_map, same_processes_modes
+from kvpush.bench.regime import (
+    FORCED,
+    GRIDS,
+    MODES,
+    MapConfig,
+    check_modes,
+    row_names,
+    run_map,
+    same_processes_modes,
+)
 from kvpush.bench.regime_confirm import ConfirmError, confirm
 from kvpush.bench.regime_report import report
 from kvpush.cli import add_auto_arguments
@@ -69,6 +80,10 @@ def main() -> None:
                     help="run the fixed modes as routes forced on the auto deployment (auto@push, ...) on the same "
                          "prompts as auto, every prefix cache reset before each run: auto against the routes "
                          "without the speed differences between deployments' processes")
+    ap.add_argument("--twin", nargs="+", default=[], metavar="MODE",
+                    help="with --same-processes: also run MODE a second time per repeat as mode MODE#2, on the same "
+                         "prompts and processes (e.g. auto@push): MODE#2 against MODE is an A/A check of the map's "
+                         "intervals, which should find a difference beyond the interval ~5%% of the time")
     ap.add_argument("--link-gbps", type=float, default=None, help="also map over a rate-limited link (root)")
     ap.add_argument("--link-only", action="store_true", help="with --link-gbps: only over the rate-limited link")
     ap.add_argument("--rows", nargs="+", default=[], metavar="IN/OUT",
@@ -138,7 +153,7 @@ def main() -> None:
         modes = tuple(args.modes) + (FORCED if args.forced_routes and "auto" in args.modes else ())
         if args.same_processes:
             modes = same_processes_modes(modes)
-        modes += tuple(f"auto+{name}" for name in variants)
+        modes += tuple(f"auto+{name}" for name in variants) + tuple(f"{m}#2" for m in args.twin)
         cfg = MapConfig(model=model, grid=grid, modes=tuple(dict.fromkeys(modes)), link_gbps=args.link_gbps,
                         full_link=not args.link_only,
                         run_s=args.run_s or run_s, min_prompts=args.min_prompts or defaults.min_prompts,
@@ -148,6 +163,10 @@ def main() -> None:
                         repeats=args.repeats or (1 if grid == "full" else 2), rows=tuple(args.rows),
                         loads=tuple(args.loads), prefixes=tuple(args.prefixes), reset_caches=args.same_processes,
                         command=command)
+        try:
+            check_modes(cfg)
+        except ValueError as exc:
+            ap.error(f"--twin: {exc}")
         path = run_map(cfg)
     print(report(path, args.readme, Path("docs/img/regime_map.png") if args.readme else None))
 

@@ -34,3 +34,17 @@ def test_same_mode_pairs_count_as_beyond_only_when_their_runs_differ(tmp_path: P
     assert counts["ttft_p50"] == {"pairs": 2, "beyond": 1}
     assert aa_check.main([str(tmp_path)]) == 0
     assert "ttft_p50: 1 of 2 same-mode run pairs beyond" in capsys.readouterr().out
+
+
+def test_twins_of_a_map_are_counted_from_its_own_comparisons(tmp_path: Path, capsys) -> None:
+    """A map run with --twin carries MODE#2 vs MODE per cell ("aa"); aa_check counts their verdicts."""
+    (tmp_path / "runs" / "full").mkdir(parents=True)
+    write_run(tmp_path / "runs" / "full", "auto-rate1.0-a.json", "auto", 1, 1.0, 40.0)
+    same = {"verdict": "cannot tell", "runs": 2}
+    beyond = {"verdict": "auto better", "runs": 2}
+    cells = [{"aa": {"auto#2": {"ttft_p50": same, "ttft_p99": beyond, "tpot_p50": same}}},
+             {"aa": {"auto#2": {"ttft_p50": same, "ttft_p99": same, "tpot_p50": None}}}, {}]
+    (tmp_path / "regime_map.json").write_text(json.dumps({"cells": cells}))
+    assert aa_check.twin_check([tmp_path]) == {"ttft_p50": [0, 2], "ttft_p99": [1, 2], "tpot_p50": [0, 1]}
+    assert aa_check.main([str(tmp_path)]) == 0
+    assert "ttft_p99: 1 of 2 twins (MODE#2 vs MODE, the map's paired intervals) beyond" in capsys.readouterr().out

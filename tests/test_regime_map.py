@@ -277,3 +277,60 @@ def test_same_processes_runs_every_fixed_mode_as_a_route_on_autos_processes_on_a
     assert s["auto_vs_forced"]["best"] == "auto@push" and s["push_vs_pull"]["ttft_p50"]["verdict"] == "push better"
     assert set(s["auto_vs_each"]) == {"auto@push", "auto@pull"}  # the routes stand for the fixed modes
     assert s["auto_vs_each"]["auto@pull"]["ttft_p99"]["verdict"] == "auto better"
+
+
+def test_mode_names_parse_into_deployment_route_and_twin():
+    from kvpush.bench.modes import parse
+
+    assert parse("auto@push#2") == parse("auto@push#2")
+    n = parse("auto@push-layerwise#3")
+    assert (n.deployment, n.route, n.twin, n.base, n.own_deployment) == ("auto", "push-layerwise", 3, "auto@push-layerwise",
+                                                                         False)
+    assert (parse("auto+w1").deployment, parse("auto+w1").own_deployment) == ("auto+w1", True)
+    assert (parse("push#2").deployment, parse("push#2").route, parse("push#2").own_deployment) == ("push", None, False)
+    for bad in ("auto@", "push#1", "push#", "push#x", "a@b@c", "", "auto push"):
+        with pytest.raises(ValueError):
+            parse(bad)
+
+
+def test_a_twin_reruns_its_mode_on_the_same_prompts_and_processes_and_is_an_aa_check(tmp_path: Path):
+    """MODE#2 runs on MODE's endpoint with MODE's route and prompts; the summary compares it with MODE
+    (an A/A check, never a candidate for the best route) and the findings count its verdicts."""
+    from kvpush.bench.regime import check_modes, run_seed
+    from kvpush.bench.suite import Fleet, SuiteConfig, bench_args
+
+    modes = ("auto", "auto@push", "auto@pull", "auto@push#2", "auto#2")
+    cfg = MapConfig(model="m", modes=modes, reset_caches=True)
+    check_modes(cfg)
+    assert run_seed(cfg, 2, 1, "auto@push#2") == run_seed(cfg, 2, 1, "auto@push")
+    fleet = Fleet(SuiteConfig(model="m", modes=modes), str(tmp_path))
+    assert set(fleet.deployments) == {"auto"}
+    assert bench_args(SuiteConfig(model="m"), "http://x", "auto@push#2", 1.0, 0).kv_route == "push"
+    assert bench_args(SuiteConfig(model="m"), "http://x", "auto#2", 1.0, 0).kv_route is None
+    with pytest.raises(ValueError, match="reset"):
+        check_modes(MapConfig(model="m", modes=("push", "push#2")))  # would be served from push's caches
+    with pytest.raises(ValueError, match="not one of"):
+        check_modes(MapConfig(model="m", modes=("auto", "auto@pull#2"), reset_caches=True))
+
+    runs = {"auto": [run(spread(105))], "auto@push": [run(spread(100))], "auto@pull": [run(spread(120))],
+            "auto@push#2": [run(spread(100))], "auto#2": [run(spread(140))]}
+    s = summarize(Cell("full", 128, 256, 0.8, "none"), 1.0, runs, {})
+    assert set(s["aa"]) == {"auto@push#2", "auto#2"}
+    assert s["aa"]["auto@push#2"]["ttft_p50"]["verdict"] == "cannot tell"
+    assert s["aa"]["auto#2"]["ttft_p50"]["verdict"] == "auto better"  # 140 against 105: beyond
+    assert s["aa"]["auto#2"]["ttft_p50"]["runs"] == 1
+    assert s["auto_vs_forced"]["best"] == "auto@push" and set(s["auto_vs_each"]) == {"auto@push", "auto@pull"}
+    text = findings({"cells": [s]})
+    assert "- **A/A check** (auto#2, auto@push#2: each mode run twice" in text
+    assert "beyond the 95% interval in TTFT p50 1 of 2, TTFT p99 1 of 2, TPOT p50 0 of 2" in text
+
+
+def test_a_one_run_map_says_its_verdicts_are_a_screen():
+    from kvpush.bench.regime_report import section
+
+    s = cell_summary(push=100, pull=150, auto=101)
+    doc = {"config": {"grid": "quick", "modes": ["push", "pull", "auto"], "min_prompts": 12, "max_prompts": 40,
+                      "repeats": 1}, "cells": [s]}
+    assert "one run per mode: a screen" in section(doc, None)
+    doc["config"]["repeats"] = 2
+    assert "a screen" not in section(doc, None)

@@ -32,6 +32,7 @@ import numpy as np
 
 from kvpush.bench.datasets import Sample
 from kvpush.bench.loadgen import LoadConfig, run_load_sync
+from kvpush.bench.modes import parse
 from kvpush.errors import KVPushError
 
 if TYPE_CHECKING:
@@ -116,7 +117,7 @@ def calibrate(fleet: Fleet, cfg: CalibrationConfig, seed: int = 0) -> list[dict[
     from kvpush.bench.suite import is_auto  # suite imports this module
 
     rng = np.random.default_rng(seed + 7_777)
-    targets = [m for m in fleet.urls if "@" not in m]
+    targets = [m for m in fleet.urls if parse(m).own_deployment]
     rounds: list[dict[str, Any]] = []
     for attempt in range(cfg.tries + 1):
         probes = {m: probe(fleet.urls[m], "push" if is_auto(m) else None, cfg, rng) for m in targets}

@@ -29,6 +29,7 @@ import numpy as np
 
 from kvpush.bench import cli as bench_cli
 from kvpush.bench.calibrate import CalibrationConfig, calibrate
+from kvpush.bench.modes import base, is_twin, parse
 from kvpush.bench.report import mode_ratio_ci, request_values
 from kvpush.bench.stats import Stat, fmt_ci, p50, p99, verdict
 from kvpush.bench.suite import Fleet, SuiteConfig, bench_args, measure_capacity, variant_name
@@ -124,7 +125,7 @@ def paired_forced(cfg: MapConfig) -> tuple[str, ...]:
 def run_seed(cfg: MapConfig, index: int, rep: int, mode: str) -> int:
     """The prompt set (and arrival times) of the cell's `index`-th position, repeat `rep`, for `mode`."""
     seed = cfg.seed + 1000 * index + rep
-    if mode in FORCED and shares_auto_deployment(cfg.modes, mode) and not cfg.reset_caches:
+    if base(mode) in FORCED and shares_auto_deployment(cfg.modes, mode) and not cfg.reset_caches:
         seed += 100 * (1 + FORCED.index(mode))  # auto's deployment would serve repeated prompts from its caches
     return seed
 
@@ -142,7 +143,7 @@ def shares_auto_deployment(modes: tuple[str, ...], mode: str) -> bool:
     """Whether another of `modes` runs on the auto deployment that forced `mode` runs on. If none does,
     the forced route gets the fixed modes' prompts: auto@push vs push is then paired, and measures
     what an all-modes deployment costs a route against the deployment of that route alone."""
-    return any(m != mode and (m == "auto" or m in FORCED) for m in modes)
+    return any(m != mode and parse(m).deployment == "auto" for m in modes)
 
 
 def cell_runs(cfg: MapConfig, suite: SuiteConfig, fleet: Fleet, cell: Cell, rate: float, index: int,
@@ -194,8 +195,9 @@ def _ratio(a: list[dict], b: list[dict], metric: str, stat: Stat, a_name: str, b
     ci = mode_ratio_ci(a, b, metric, stat)
     if ci is None:
         return None
-    est, lo, hi = ci
-    return {"ratio": est, "lo": lo, "hi": hi, "verdict": verdict(lo, hi, a_name, b_name), "text": fmt_ci(est, lo, hi)}
+    est, lo, hi = ci  # "runs": 1 = an interval over one run's requests, which an A/A check finds overconfident
+    return {"ratio": est, "lo": lo, "hi": hi, "verdict": verdict(lo, hi, a_name, b_name), "text": fmt_ci(est, lo, hi),
+            "runs": min(len(a), len(b))}
 
 
 def summarize(cell: Cell, rate: float, runs: dict[str, list[dict]], routes: dict[str, float],
@@ -227,9 +229,11 @@ def summarize(cell: Cell, rate: float, runs: dict[str, list[dict]], routes: dict
         out["auto_vs_forced"] = {"best": best, **_compare(runs, "auto", best)}
         if not fixed:  # --same-processes: the routes stand for the fixed modes (the mixed target's "each")
             out["auto_vs_each"] = {m: _compare(runs, "auto", m) for m in forced}
-    if pairs := [m for m in forced if m in paired_forced and m.split("@", 1)[1] in runs]:  # the deployment's cost
-        out["forced_vs_fixed"] = {m: _compare(runs, m, m.split("@", 1)[1]) for m in pairs}
-    variants = [m for m in runs if variant_name(m) is not None]
+    if pairs := [m for m in forced if m in paired_forced and parse(m).route in runs]:  # the deployment's cost
+        out["forced_vs_fixed"] = {m: _compare(runs, m, str(parse(m).route)) for m in pairs}
+    if twins := [m for m in runs if is_twin(m) and base(m) in runs]:  # A/A: a mode against itself
+        out["aa"] = {m: _compare(runs, m, base(m)) for m in twins}
+    variants = [m for m in runs if variant_name(m) is not None and parse(m).own_deployment]
     if variants:
         out["variants"] = {v: {"routes": routes_taken(runs[v]),
                                "vs_auto": _compare(runs, v, "auto") if "auto" in runs else None,
@@ -337,8 +341,21 @@ def write_map(path: Path, config: dict, started: float, calibration: dict, cells
     path.write_text(json.dumps(doc, indent=1))
 
 
+def check_modes(cfg: MapConfig) -> None:
+    """Raise ValueError for modes the map cannot run: a name of none of bench/modes.py's forms, or a twin
+    (M#N) whose M is not in the map or whose runs would not start from empty prefix caches (a twin runs
+    M's prompts on M's processes: without reset_caches it would be served from M's caches)."""
+    for mode in cfg.modes:
+        name = parse(mode)
+        if name.twin and name.base not in cfg.modes:
+            raise ValueError(f"twin {mode}: {name.base} is not one of the map's modes")
+        if name.twin and not cfg.reset_caches:
+            raise ValueError(f"twin {mode}: needs every prefix cache reset before each run (--same-processes)")
+
+
 def run_map(cfg: MapConfig) -> Path:
     """Run the map; writes (and keeps updating) regime_map.json; returns its path."""
+    check_modes(cfg)
     Path(cfg.result_dir).mkdir(parents=True, exist_ok=True)
     path = Path(cfg.result_dir) / "regime_map.json"
     results: list[dict] = []

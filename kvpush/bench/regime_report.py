@@ -102,10 +102,39 @@ def findings(doc: dict[str, Any]) -> str:
             out.append(f"- **auto vs each fixed mode on the mixed workload** ({c['name']}): "
                        + "; ".join(_each_parts(each)) + ".")
     out += _variant_lines(doc, cells)
+    out += aa_lines(cells)
     out += [f"- **routes forced on an auto deployment alone vs the same route's own deployment, same prompts** "
             f"({c['name']}): " + "; ".join(_each_parts(c["forced_vs_fixed"], "TTFT p50", "ttft_p50")) + "."
             for c in cells if c.get("forced_vs_fixed")]
     return "\n".join(out)
+
+
+def aa_counts(cells: list[dict]) -> dict[str, list[int]]:
+    """Per metric, [beyond the interval, compared] over every twin (M#N) against its mode M."""
+    out = {key: [0, 0] for key in ("ttft_p50", "ttft_p99", "tpot_p50")}
+    for c in cells:
+        for ratios in (c.get("aa") or {}).values():
+            for key, r in ratios.items():
+                if isinstance(r, dict) and key in out:
+                    out[key][0] += r["verdict"] != "cannot tell"
+                    out[key][1] += 1
+    return out
+
+
+def aa_lines(cells: list[dict]) -> list[str]:
+    """The A/A check: how often a mode's twin (same prompts, same processes) differed from it beyond the
+    interval; a 95% interval should do so ~5% of the time. Nothing without twins."""
+    counts = aa_counts(cells)
+    if not any(n for _, n in counts.values()):
+        return []
+    twins = sorted({t for c in cells for t in (c.get("aa") or {})})
+    runs = sorted({int(r.get("runs") or 0) for c in cells for ratios in (c.get("aa") or {}).values()
+                   for r in ratios.values() if isinstance(r, dict)})
+    parts = [f"{what} {k} of {n}" for (k, n), what in zip(counts.values(), ("TTFT p50", "TTFT p99", "TPOT p50"),
+                                                         strict=True)]
+    return [f"- **A/A check** ({', '.join(twins)}: each mode run twice per repeat on the same prompts and processes, "
+            f"{'/'.join(map(str, runs))} run(s) a side): beyond the 95% interval in " + ", ".join(parts)
+            + " (expected ~5%)."]
 
 
 def _each_parts(each: dict[str, dict], *extra: str) -> list[str]:
@@ -188,6 +217,11 @@ def section(doc: dict[str, Any], png: str | None) -> str:
         what = (f"{cfg['grid']} grid, {len(doc['cells'])} cells, {minutes:.0f} min, "
                 f"{cfg.get('repeats', 1)} run(s) of {cfg['min_prompts']}-{cfg['max_prompts']} requests per mode and "
                 "cell, pooled, the order of the modes rotating")
+        if cfg.get("repeats", 1) == 1:
+            what += ("; **one run per mode: a screen**, its intervals cover one run's requests and leave out the "
+                     "variance between runs (an A/A check found 14-22% of TTFT p50 and 39-56% of TTFT p99 and TPOT "
+                     "verdicts beyond such intervals between two runs of the same mode): a verdict needs "
+                     "`--repeats 2` or more, or `--confirm`")
         extra = []
     return "\n".join([
         begin,

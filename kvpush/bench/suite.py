@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from kvpush.bench import cli as bench_cli
 from kvpush.bench.calibrate import CalibrationConfig, calibrate
+from kvpush.bench.modes import parse
 from kvpush.bench.report import compare, format_handover, format_phases, format_table, load_run
 from kvpush.launch import ServerProcess, free_port
 from kvpush.server.up import Deployment
@@ -60,8 +61,9 @@ class SuiteConfig:
 
 
 def variant_name(mode: str) -> str | None:
-    """NAME of an auto variant's mode (auto+NAME), else None."""
-    return mode.split("+", 1)[1] if mode.startswith("auto+") else None
+    """NAME of the auto variant whose deployment serves the mode (auto+NAME, also forced or twinned), else None."""
+    deployment = parse(mode).deployment
+    return deployment.split("+", 1)[1] if deployment.startswith("auto+") else None
 
 
 def is_auto(mode: str) -> bool:
@@ -84,15 +86,16 @@ class Fleet:
         """A colocated server and one 1P1D deployment per other mode (pull, push, push-layerwise, auto);
         with `link`, every deployment's P and D talk over it (the colocated server has no transfer)."""
         self.urls: dict[str, str] = {}
-        # `deployment@route`: a route forced (X-KVPush-KV-Mode) on another mode's deployment, no processes of its own
-        self.forced = [m for m in cfg.modes if "@" in m]
+        # `deployment@route` (a route forced with X-KVPush-KV-Mode) and twins (`mode#2`, bench/modes.py) run on
+        # another mode's deployment, with no processes of their own
+        self.forced = [m for m in cfg.modes if not parse(m).own_deployment]
         self.colocated: ServerProcess | None = None
         self.deployments: dict[str, Deployment] = {}
         if "colocated" in cfg.modes:
             port = free_port()
             self.colocated = ServerProcess(["serve", cfg.model, "--port", str(port), *cfg.serve_args],
                                            log_path=os.path.join(log_dir, "colocated.log"))
-        hosts = [m.split("@", 1)[0] for m in self.forced]  # a forced route alone still needs its deployment
+        hosts = [parse(m).deployment for m in self.forced]  # a forced route alone still needs its deployment
         for mode in dict.fromkeys([*cfg.modes, *hosts]):
             if mode != "colocated" and mode not in self.forced:
                 kv_mode, proxy_args = deployment_of(cfg, mode)
@@ -109,7 +112,7 @@ class Fleet:
                 dep.start()
                 self.urls[mode] = dep.url
             for mode in self.forced:
-                self.urls[mode] = self.urls[mode.split("@", 1)[0]]
+                self.urls[mode] = self.urls[parse(mode).deployment]
         except BaseException:
             self.stop()
             raise
@@ -174,8 +177,9 @@ def idle_cpu_of(pids: dict[str, int], seconds: float) -> dict[str, float]:
 
 
 def bench_args(cfg: SuiteConfig, url: str, mode: str, rate: float, seed: int) -> argparse.Namespace:
-    """`kvpush bench` arguments of one run of `mode` at `rate`; a forced route (`deployment@route`)
-    sends its route in every request (X-KVPush-KV-Mode)."""
+    """`kvpush bench` arguments of one run of `mode` at `rate`; a forced route (`deployment@route`, also
+    twinned) sends its route in every request (X-KVPush-KV-Mode)."""
+    route = parse(mode).route
     parser = argparse.ArgumentParser()
     bench_cli.add_bench_arguments(parser)
     return parser.parse_args([
@@ -185,7 +189,7 @@ def bench_args(cfg: SuiteConfig, url: str, mode: str, rate: float, seed: int) ->
         "--request-rate", str(rate), "--seed", str(seed), "--mode-label", mode,
         "--vocab-size", str(cfg.vocab_size), "--avoid-token-ids", SPECIAL_IDS,
         *([] if cfg.progress else ["--no-progress"]),
-        *(["--kv-route", mode.split("@", 1)[1]] if "@" in mode else []),
+        *(["--kv-route", route] if route else []),
     ])
 
 
