@@ -122,7 +122,7 @@ def test_confirmation_pools_its_runs_with_the_screens_and_reports_both(tmp_path:
     assert set(c["auto_vs_each"]) == set(FIXED)
     text = report(out)
     assert "regime-map:quick-confirm:begin" in text and "confirmation of" in text
-    assert "**push better** -> 1.05" in text  # the screen's verdict, then the pooled ratio
+    assert "screen: push better -> 1.05" in text  # the screen's one-run difference, then the pooled ratio
     with pytest.raises(ConfirmError, match="is a confirmation itself"):
         confirm(out, 1, str(tmp_path / "again"))
 

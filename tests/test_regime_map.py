@@ -23,10 +23,15 @@ def spread(center: float, n: int = 30) -> list[float]:
     return [center * (0.9 + 0.2 * i / (n - 1)) for i in range(n)]
 
 
+def runs_of(center: float, k: int = 3) -> list[dict]:
+    """30 requests around `center` as k runs (a verdict on TTFT p99 or TPOT needs 3 runs a side)."""
+    values = spread(center)
+    return [run(values[i::k]) for i in range(k)]
+
+
 def cell_summary(push: float, pull: float, auto: float, layerwise: float = 500.0, prefix: str = "none") -> dict:
-    runs = {"colocated": [run(spread(90))], "pull": [run(spread(pull))], "push": [run(spread(push)[:15]),
-                                                                              run(spread(push)[15:])],
-            "push-layerwise": [run(spread(layerwise))], "auto": [run(spread(auto))]}
+    runs = {"colocated": runs_of(90), "pull": runs_of(pull), "push": runs_of(push, 2),
+            "push-layerwise": runs_of(layerwise), "auto": runs_of(auto)}
     return summarize(Cell("full", 512, 32, 0.5, prefix), 1.2, runs, {"push": 20, "local": 10})
 
 
@@ -93,8 +98,8 @@ def test_routes_forced_on_the_auto_deployment_are_compared_with_auto(tmp_path: P
     from kvpush.bench.loadgen import _headers
     from kvpush.bench.suite import Fleet, SuiteConfig
 
-    runs = {"push": [run(spread(100))], "auto": [run(spread(150))], "auto@push": [run(spread(100))],
-            "auto@pull": [run(spread(120))], "auto@push-layerwise": [run(spread(130))]}
+    runs = {"push": runs_of(100), "auto": runs_of(150), "auto@push": runs_of(100),
+            "auto@pull": runs_of(120), "auto@push-layerwise": runs_of(130)}
     s = summarize(Cell("full", 512, 32, 0.5, "none"), 1.0, runs, {"push": 30})
     assert s["auto_vs_forced"]["best"] == "auto@push"
     assert s["auto_vs_forced"]["ttft_p50"]["ratio"] == pytest.approx(1.5, rel=0.02)
@@ -334,3 +339,29 @@ def test_a_one_run_map_says_its_verdicts_are_a_screen():
     assert "one run per mode: a screen" in section(doc, None)
     doc["config"]["repeats"] = 2
     assert "a screen" not in section(doc, None)
+
+
+def test_losses_are_set_against_what_chance_gives_where_nothing_differs():
+    from kvpush.bench.regime_report import by_chance
+
+    assert by_chance(0, 0) == ""
+    assert "0.3 expected, 0 or more with chance 1.00" in by_chance(0, 12)
+    # 3 of 12: 1 - P(0) - P(1) - P(2) of Binomial(12, 0.025) = 0.0032
+    assert "3 or more with chance 0.00)" in by_chance(3, 12)
+    assert "1 or more with chance 0.26)" in by_chance(1, 12)
+    text = findings({"cells": [cell_summary(push=100, pull=150, auto=160)]})
+    assert "1 of 1 cell(s): full 512/32 50% none; better in 0 (where nothing differs" in text
+
+
+def test_a_difference_on_too_few_runs_is_a_screen_and_not_counted():
+    """One run a side: a TTFT p50 beyond the interval is shown as a screen and counted as cannot tell;
+    two runs a side make it a verdict for the p50, while TTFT p99 and TPOT need three."""
+    one = summarize(Cell("full", 512, 32, 0.5, "none"), 1.0, {"push": [run(spread(100))], "pull": [run(spread(150))]}, {})
+    r = one["push_vs_pull"]["ttft_p50"]
+    assert r["verdict"] == "push better" and r["runs"] == 1 and r["screen"]
+    text = findings({"cells": [one]})
+    assert "push better in 0 cell(s)" in text and "cannot tell in 1 (1 difference(s) beyond the interval on fewer" in text
+    assert "screen: push better" in markdown({"config": {"modes": ["push", "pull"]}, "cells": [one]})
+    two = summarize(Cell("full", 512, 32, 0.5, "none"), 1.0, {"push": runs_of(100, 2), "pull": runs_of(150, 2)}, {})
+    assert not two["push_vs_pull"]["ttft_p50"]["screen"] and two["push_vs_pull"]["ttft_p99"]["screen"]
+    assert "push better in 1 cell(s)" in findings({"cells": [two]})

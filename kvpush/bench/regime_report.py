@@ -14,12 +14,16 @@ from pathlib import Path
 from typing import Any
 
 from kvpush.bench.calibrate import CalibrationConfig
+from kvpush.bench.regime import MIN_RUNS
 from kvpush.bench.suite import variant_name
 
 
 def markers(grid: str) -> tuple[str, str]:
     """The README lines around one grid's generated section (each grid has its own)."""
     return f"<!-- regime-map:{grid}:begin -->", f"<!-- regime-map:{grid}:end -->"
+
+
+LABELS = {"ttft_p50": "TTFT p50", "ttft_p99": "TTFT p99", "tpot_p50": "TPOT p50"}
 PANELS = (("push_vs_pull", "ttft_p50", "push/pull TTFT p50"), ("push_vs_pull", "ttft_p99", "push/pull TTFT p99"),
           ("push_vs_pull", "tpot_p50", "push/pull TPOT p50"), ("auto_vs_best", "ttft_p50", "auto/best fixed TTFT p50"))
 
@@ -37,7 +41,8 @@ def _cell_ratio(c: dict, group: str, key: str) -> dict | None:
 def _ratio_text(r: dict | None) -> str:
     if r is None:
         return "-"
-    mark = "" if r["verdict"] == "cannot tell" else " **" + r["verdict"] + "**"
+    mark = ("" if r["verdict"] == "cannot tell" else f" screen: {r['verdict']}" if r.get("screen")
+            else " **" + r["verdict"] + "**")
     return f"{r['ratio']:.2f} [{r['lo']:.2f}, {r['hi']:.2f}]" + (mark or " cannot tell")
 
 
@@ -63,13 +68,25 @@ def markdown(doc: dict[str, Any]) -> str:
 
 
 def _names(cells: list[dict], group: str, key: str, outcome: str) -> list[str]:
-    return [c["name"] for c in cells if (r := _cell_ratio(c, group, key)) is not None and r["verdict"] == outcome]
+    """Cells whose verdict is `outcome` ("cannot tell" also where a screen saw a difference, see _screens)."""
+    return [c["name"] for c in cells if (r := _cell_ratio(c, group, key)) is not None
+            and (r["verdict"] if not r.get("screen") else "cannot tell") == outcome]
 
 
 def _worse(cells: list[dict], group: str, key: str) -> list[str]:
-    """Cells where auto lost to the `best` mode the group names, beyond the interval."""
-    return [c["name"] for c in cells if (r := _cell_ratio(c, group, key)) is not None
+    """Cells where auto lost to the `best` mode the group names, beyond the interval (screens left out)."""
+    return [c["name"] for c in cells if (r := _cell_ratio(c, group, key)) is not None and not r.get("screen")
             and r["verdict"] == f"{c[group]['best']} better"]
+
+
+def _screens(cells: list[dict], group: str, key: str) -> str:
+    """' (N screen verdict(s) ...)' for differences seen on too few runs a side to count; else empty."""
+    seen = [f"{c['name']} {r['verdict']}" for c in cells if (r := _cell_ratio(c, group, key)) is not None
+            and r.get("screen") and r["verdict"] != "cannot tell"]
+    if not seen:
+        return ""
+    return (f" ({len(seen)} difference(s) beyond the interval on fewer runs a side than a verdict needs, counted as "
+            f"cannot tell: {'; '.join(seen)})")
 
 
 def findings(doc: dict[str, Any]) -> str:
@@ -81,13 +98,14 @@ def findings(doc: dict[str, Any]) -> str:
         tell = _names(cells, "push_vs_pull", key, "cannot tell")
         out.append(f"- **{what}**: push better in {len(push)} cell(s){': ' + '; '.join(push) if push else ''}; "
                    f"pull better in {len(pull)}{': ' + '; '.join(pull) if pull else ''}; "
-                   f"cannot tell in {len(tell)}.")
+                   f"cannot tell in {len(tell)}{_screens(cells, 'push_vs_pull', key)}.")
     worse = _worse(cells, "auto_vs_best", "ttft_p50")
     better = _names(cells, "auto_vs_best", "ttft_p50", "auto better")
     n = sum(1 for c in cells if _cell_ratio(c, "auto_vs_best", "ttft_p50") is not None)
     out.append(f"- **auto vs the best fixed mode of each cell (TTFT p50)**: worse beyond the interval in "
                f"{len(worse)} of {n} cell(s){': ' + '; '.join(worse) if worse else ''}; better in {len(better)}"
-               f"{': ' + '; '.join(better) if better else ''}.")
+               f"{': ' + '; '.join(better) if better else ''}{by_chance(len(worse), n)}"
+               f"{_screens(cells, 'auto_vs_best', 'ttft_p50')}.")
     forced = [c for c in cells if _cell_ratio(c, "auto_vs_forced", "ttft_p50") is not None]
     if forced:
         for key, what in (("ttft_p50", "TTFT p50"), ("ttft_p99", "TTFT p99"), ("tpot_p50", "TPOT p50")):
@@ -95,7 +113,8 @@ def findings(doc: dict[str, Any]) -> str:
             better = _names(forced, "auto_vs_forced", key, "auto better")
             out.append(f"- **auto vs the best route forced on its own deployment ({what})**: worse beyond the interval "
                        f"in {len(worse)} of {len(forced)} cell(s){': ' + '; '.join(worse) if worse else ''}; better in "
-                       f"{len(better)}{': ' + '; '.join(better) if better else ''}.")
+                       f"{len(better)}{': ' + '; '.join(better) if better else ''}{by_chance(len(worse), len(forced))}"
+                       f"{_screens(forced, 'auto_vs_forced', key)}.")
     for c in cells:
         each = c.get("auto_vs_each") or {}
         if c["cell"]["prefix"] == "mixed" and each:
@@ -107,6 +126,16 @@ def findings(doc: dict[str, Any]) -> str:
             f"({c['name']}): " + "; ".join(_each_parts(c["forced_vs_fixed"], "TTFT p50", "ttft_p50")) + "."
             for c in cells if c.get("forced_vs_fixed")]
     return "\n".join(out)
+
+
+def by_chance(k: int, n: int, p: float = 0.025) -> str:
+    """How many one-sided verdicts ("worse") n cells give by chance where nothing differs, if the intervals
+    hold their 95% (each side 2.5%), and the chance of k or more; empty for n = 0."""
+    if n <= 0:
+        return ""
+    tail = sum(math.comb(n, i) * p ** i * (1 - p) ** (n - i) for i in range(k, n + 1))
+    return (f" (where nothing differs, intervals that hold their 95% say \"worse\" in {p:.1%} of cells: {n * p:.1f} "
+            f"expected, {k} or more with chance {tail:.2f})")
 
 
 def aa_counts(cells: list[dict]) -> dict[str, list[int]]:
@@ -185,13 +214,15 @@ def heatmaps(doc: dict[str, Any], out: Path) -> Path | None:
             j = cols.index((c["cell"]["prefix"], c["cell"]["load"]))
             if r is not None:
                 grid[i][j] = math.log2(r["ratio"])
-                ax.text(j, i, f"{r['ratio']:.2f}{'~' if r['verdict'] == 'cannot tell' else ''}", ha="center",
+                tag = "~" if r["verdict"] == "cannot tell" else "?" if r.get("screen") else ""
+                ax.text(j, i, f"{r['ratio']:.2f}{tag}", ha="center",
                         va="center", fontsize=8)
         ax.imshow(grid, cmap="RdBu_r", vmin=-1, vmax=1, aspect="auto")
         ax.set_title(title, fontsize=9)
         ax.set_xticks(range(len(cols)), [f"{p}\n{load:.0%}" for p, load in cols], fontsize=7)
         ax.set_yticks(range(len(rows)), [f"{lk} {i}/{o}" for lk, i, o in rows], fontsize=7)
-    fig.suptitle("ratio < 1 (blue): the first mode is faster; ~ = the 95% interval spans 1 (cannot tell)", fontsize=8)
+    fig.suptitle("ratio < 1 (blue): the first mode is faster; ~ = the 95% interval spans 1 (cannot tell); "
+                 "? = it does not, on too few runs a side to tell (a screen)", fontsize=8)
     fig.tight_layout()
     path = out / "regime_map.png"
     fig.savefig(path, dpi=110)
@@ -219,14 +250,16 @@ def section(doc: dict[str, Any], png: str | None) -> str:
                 "cell, pooled, the order of the modes rotating")
         if cfg.get("repeats", 1) == 1:
             what += ("; **one run per mode: a screen**, its intervals cover one run's requests and leave out the "
-                     "variance between runs (an A/A check found 14-22% of TTFT p50 and 39-56% of TTFT p99 and TPOT "
-                     "verdicts beyond such intervals between two runs of the same mode): a verdict needs "
-                     "`--repeats 2` or more, or `--confirm`")
+                     "variance between runs (A/A checks found 13-22% of TTFT p50 and 37-56% of TTFT p99 and TPOT "
+                     "verdicts beyond such intervals between two runs of the same mode): verdicts need more runs "
+                     "(`--repeats`, or `--confirm`)")
         extra = []
+    need = ", ".join(f"{LABELS[k]} {n}" for k, n in MIN_RUNS.items())
     return "\n".join([
         begin,
         f"Generated from `{command}` ({what}; loads are fractions of the slower of push and pull at full "
-        "concurrency; 95% bootstrap intervals; **bold** = the interval excludes 1).",
+        "concurrency; 95% bootstrap intervals; **bold** = the interval excludes 1 on enough runs a side "
+        f"({need}); \"screen\" = it excludes 1 on fewer, counted as cannot tell).",
         "",
         findings(doc),
         *calibration_lines(doc),
