@@ -28,7 +28,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kvpush.bench.regime import _ratio  # noqa: E402
-from kvpush.bench.regime_report import aa_counts  # noqa: E402
 from kvpush.bench.stats import p50, p99  # noqa: E402
 
 CHECKS = (("ttft_p50", "ttft", p50), ("ttft_p99", "ttft", p99), ("tpot_p50", "tpot", p50))
@@ -62,15 +61,19 @@ def check(result_dirs: list[Path]) -> dict[str, dict[str, int]]:
     return out
 
 
-def twin_check(result_dirs: list[Path]) -> dict[str, list[int]]:
-    """Per metric, [beyond the interval, compared] over the twins' comparisons in the maps' regime_map.json."""
-    out = {name: [0, 0] for name, _, _ in CHECKS}
+def twin_check(result_dirs: list[Path]) -> dict[tuple[str, int], list[int]]:
+    """Per (metric, runs a side), [beyond the interval, compared] over the twins' comparisons in the maps'
+    regime_map.json (a confirmation pools its screen's runs: give one of the two, not both)."""
+    out: dict[tuple[str, int], list[int]] = defaultdict(lambda: [0, 0])
     for d in result_dirs:
         if (path := d / "regime_map.json").is_file():
-            for name, (k, n) in aa_counts(json.loads(path.read_text())["cells"]).items():
-                out[name][0] += k
-                out[name][1] += n
-    return out
+            for c in json.loads(path.read_text())["cells"]:
+                for ratios in (c.get("aa") or {}).values():
+                    for name, _, _ in CHECKS:
+                        if isinstance(r := ratios.get(name), dict):
+                            out[(name, int(r.get("runs") or 0))][0] += r["verdict"] != "cannot tell"
+                            out[(name, int(r.get("runs") or 0))][1] += 1
+    return dict(sorted(out.items()))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,12 +88,12 @@ def main(argv: list[str] | None = None) -> int:
         share = c["beyond"] / c["pairs"] if c["pairs"] else float("nan")
         print(f"{name}: {c['beyond']} of {c['pairs']} same-mode run pairs beyond the 95% interval ({share:.0%}; "
               f"about 5% expected)")
-    if not any(c["pairs"] for c in counts.values()):
-        print("no cell ran a mode twice: run the map with --repeats 2 or more")
-    for name, (k, n) in twin_check(args.result_dirs).items():
-        if n:
-            print(f"{name}: {k} of {n} twins (MODE#2 vs MODE, the map's paired intervals) beyond the 95% interval "
-                  f"({k / n:.0%}; about 5% expected)")
+    twins = twin_check(args.result_dirs)
+    if not any(c["pairs"] for c in counts.values()) and not twins:
+        print("no cell ran a mode twice: run the map with --repeats 2 or more, or --twin MODE")
+    for (name, runs), (k, n) in twins.items():
+        print(f"{name}: {k} of {n} twins with {runs} run(s) a side (MODE#2 vs MODE, the map's paired intervals) "
+              f"beyond the 95% interval ({k / n:.0%}; about 5% expected)")
     return 0
 
 

@@ -109,7 +109,7 @@ def main() -> None:
                          "'w1=--auto-stall-weight 1' (repeatable)")
     ap.add_argument("--confirm", type=Path, default=None, metavar="SCREEN",
                     help="rerun the cells of this map (its result dir or regime_map.json) where auto's TTFT p50 "
-                         "or p99 differed from the best fixed mode's beyond the interval, --repeats times (default "
+                         "or p99 differed from the best fixed mode's (or best forced route's) beyond the interval, --repeats times (default "
                          "2) per mode at the same rate, the verdicts recomputed over its runs and these pooled "
                          "(the screen's settings apply: only --repeats, --result-dir and --no-calibrate are used)")
     ap.add_argument("--report-only", action="store_true", help="only regenerate the report from the JSON")
@@ -129,8 +129,9 @@ def main() -> None:
     if args.link_gbps is not None and not args.link_gbps > 0:
         ap.error("--link-gbps must be positive")
     variants = parse_variants(ap, args.auto_variant)
-    if variants and args.confirm is not None:
-        ap.error("--auto-variant and --confirm: a confirmation runs the screen's modes, variants included")
+    if (variants or args.twin) and args.confirm is not None:
+        ap.error("--auto-variant/--twin and --confirm: a confirmation runs the screen's modes, variants and twins "
+                 "included")
     path = Path(args.result_dir) / "regime_map.json"
     command = shlex.join(["python", "benchmarks/regime_map.py", *sys.argv[1:]])
     if args.confirm is not None and not args.report_only:
@@ -166,7 +167,8 @@ def main() -> None:
         try:
             check_modes(cfg)
         except ValueError as exc:
-            ap.error(f"--twin: {exc}")
+            hint = " (with --same-processes the routes are auto@push, auto@pull, ...)" if args.same_processes else ""
+            ap.error(f"--twin: {exc}{hint}")
         path = run_map(cfg)
     print(report(path, args.readme, Path("docs/img/regime_map.png") if args.readme else None))
 

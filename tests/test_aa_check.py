@@ -45,6 +45,6 @@ def test_twins_of_a_map_are_counted_from_its_own_comparisons(tmp_path: Path, cap
     cells = [{"aa": {"auto#2": {"ttft_p50": same, "ttft_p99": beyond, "tpot_p50": same}}},
              {"aa": {"auto#2": {"ttft_p50": same, "ttft_p99": same, "tpot_p50": None}}}, {}]
     (tmp_path / "regime_map.json").write_text(json.dumps({"cells": cells}))
-    assert aa_check.twin_check([tmp_path]) == {"ttft_p50": [0, 2], "ttft_p99": [1, 2], "tpot_p50": [0, 1]}
+    assert aa_check.twin_check([tmp_path]) == {("tpot_p50", 2): [0, 1], ("ttft_p50", 2): [0, 2], ("ttft_p99", 2): [1, 2]}
     assert aa_check.main([str(tmp_path)]) == 0
-    assert "ttft_p99: 1 of 2 twins (MODE#2 vs MODE, the map's paired intervals) beyond" in capsys.readouterr().out
+    assert "ttft_p99: 1 of 2 twins with 2 run(s) a side (MODE#2 vs MODE" in capsys.readouterr().out

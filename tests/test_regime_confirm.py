@@ -48,6 +48,8 @@ def test_cells_with_a_verdict_either_way_are_rerun():
     cells = [verdicts("cannot tell"), verdicts("push better"), verdicts("cannot tell", "auto better"), {"name": "x"},
              verdicts("auto better")]
     assert flagged(cells) == [1, 2, 4]
+    same = {"auto_vs_forced": verdicts("auto@push better")["auto_vs_best"]}  # a --same-processes map's cell
+    assert flagged([{"auto_vs_forced": verdicts("cannot tell")["auto_vs_best"]}, same]) == [1]
 
 
 def test_the_screens_runs_of_a_cell_are_found_by_mode_prompt_seed_and_rate(tmp_path: Path):

@@ -13,10 +13,12 @@ from kvpush.bench.regime import Cell, MapConfig, num_prompts, summarize
 from kvpush.bench.regime_report import findings, markdown, markers, report, section_name
 
 
-def run(ttfts_ms: list[float], tpot_ms: float = 10.0, out: int = 9) -> dict:
+def run(ttfts_ms: list[float], tpot_ms: float = 10.0, out: int = 9, seed: int = 0) -> dict:
+    """One run's document; runs of different modes with the same seed ran the same prompts (paired)."""
     reqs = [{"success": True, "ttft_s": t / 1e3, "e2el_s": t / 1e3 + tpot_ms / 1e3 * (out - 1), "output_tokens": out}
             for t in ttfts_ms]
-    return {"metrics": {"completed": len(reqs), "failed": 0}, "requests": reqs}
+    return {"metrics": {"completed": len(reqs), "failed": 0}, "requests": reqs, "run": {"sample_seed": seed},
+            "config": {}}
 
 
 def spread(center: float, n: int = 30) -> list[float]:
@@ -26,19 +28,19 @@ def spread(center: float, n: int = 30) -> list[float]:
 def runs_of(center: float, k: int = 3) -> list[dict]:
     """30 requests around `center` as k runs (a verdict on TTFT p99 or TPOT needs 3 runs a side)."""
     values = spread(center)
-    return [run(values[i::k]) for i in range(k)]
+    return [run(values[i::k], seed=i) for i in range(k)]
 
 
 def cell_summary(push: float, pull: float, auto: float, layerwise: float = 500.0, prefix: str = "none") -> dict:
-    runs = {"colocated": runs_of(90), "pull": runs_of(pull), "push": runs_of(push, 2),
+    runs = {"colocated": runs_of(90), "pull": runs_of(pull), "push": runs_of(push),
             "push-layerwise": runs_of(layerwise), "auto": runs_of(auto)}
     return summarize(Cell("full", 512, 32, 0.5, prefix), 1.2, runs, {"push": 20, "local": 10})
 
 
 def test_summary_percentiles_and_ratios():
-    s = cell_summary(push=100, pull=150, auto=101)
+    s = cell_summary(push=100, pull=150, auto=100)
     assert s["modes"]["pull"]["ttft_p50_ms"] == pytest.approx(150)
-    assert s["modes"]["push"]["runs"] == 2 and s["modes"]["push"]["completed"] == 30  # two runs pooled
+    assert s["modes"]["push"]["runs"] == 3 and s["modes"]["push"]["completed"] == 30  # three runs pooled
     assert s["modes"]["push"]["tpot_p50_ms"] == pytest.approx(10)
     r = s["push_vs_pull"]["ttft_p50"]
     assert r["ratio"] == pytest.approx(100 / 150) and r["verdict"] == "push better" and r["hi"] < 1
@@ -50,8 +52,8 @@ def test_summary_percentiles_and_ratios():
 
 def test_findings_name_the_cells_and_never_count_cannot_tell():
     doc = {"config": MapConfig(model="m").__dict__,
-           "cells": [cell_summary(100, 150, 101), cell_summary(200, 150, 230, prefix="sessions"),
-                     cell_summary(100, 101, 100)]}
+           "cells": [cell_summary(100, 150, 100), cell_summary(200, 150, 230, prefix="sessions"),
+                     cell_summary(100, 100, 100)]}
     text = findings(doc)
     assert "push better in 1 cell(s): full 512/32 50% none" in text
     assert "pull better in 1: full 512/32 50% sessions" in text and "cannot tell in 1." in text
@@ -62,7 +64,7 @@ def test_findings_name_the_cells_and_never_count_cannot_tell():
 
 def test_report_writes_png_and_replaces_the_readme_section(tmp_path: Path):
     doc = {"config": {**MapConfig(model="m", command="python benchmarks/regime_map.py --quick").__dict__},
-           "elapsed_s": 600, "cells": [cell_summary(100, 150, 101), cell_summary(200, 150, 230, prefix="sessions")]}
+           "elapsed_s": 600, "cells": [cell_summary(100, 150, 100), cell_summary(200, 150, 230, prefix="sessions")]}
     path = tmp_path / "regime_map.json"
     path.write_text(json.dumps(doc))
     readme = tmp_path / "README.md"
@@ -149,7 +151,7 @@ def test_link_only_maps_the_slow_link_alone(tmp_path: Path, monkeypatch: pytest.
 
 def test_a_map_of_the_slow_link_alone_has_its_own_readme_section(tmp_path: Path):
     cfg = {**MapConfig(model="m", link_gbps=0.25, full_link=False).__dict__}
-    doc = {"config": cfg, "elapsed_s": 60, "cells": [cell_summary(100, 150, 101)]}
+    doc = {"config": cfg, "elapsed_s": 60, "cells": [cell_summary(100, 150, 100)]}
     path = tmp_path / "regime_map.json"
     path.write_text(json.dumps(doc))
     readme = tmp_path / "README.md"
@@ -287,7 +289,7 @@ def test_same_processes_runs_every_fixed_mode_as_a_route_on_autos_processes_on_a
 def test_mode_names_parse_into_deployment_route_and_twin():
     from kvpush.bench.modes import parse
 
-    assert parse("auto@push#2") == parse("auto@push#2")
+    assert parse("auto@push#2").text == "auto@push#2" and parse("push").base == "push"
     n = parse("auto@push-layerwise#3")
     assert (n.deployment, n.route, n.twin, n.base, n.own_deployment) == ("auto", "push-layerwise", 3, "auto@push-layerwise",
                                                                          False)
@@ -308,32 +310,39 @@ def test_a_twin_reruns_its_mode_on_the_same_prompts_and_processes_and_is_an_aa_c
     cfg = MapConfig(model="m", modes=modes, reset_caches=True)
     check_modes(cfg)
     assert run_seed(cfg, 2, 1, "auto@push#2") == run_seed(cfg, 2, 1, "auto@push")
+    shared = MapConfig(model="m", modes=modes)  # without the reset (refused below): still the base's prompts
+    assert run_seed(shared, 2, 1, "auto@push#2") == run_seed(shared, 2, 1, "auto@push") != run_seed(shared, 2, 1, "auto")
     fleet = Fleet(SuiteConfig(model="m", modes=modes), str(tmp_path))
     assert set(fleet.deployments) == {"auto"}
     assert bench_args(SuiteConfig(model="m"), "http://x", "auto@push#2", 1.0, 0).kv_route == "push"
     assert bench_args(SuiteConfig(model="m"), "http://x", "auto#2", 1.0, 0).kv_route is None
+    from kvpush.bench.cli import write_run
+    from kvpush.bench.suite import is_auto
+
+    assert write_run({}, tmp_path, "auto#2", 1.0).name.startswith("auto-twin2-rate1")  # not auto+2's auto_2
+    assert is_auto("auto#2") and is_auto("auto+w1#2") and not is_auto("auto@push") and not is_auto("push#2")
     with pytest.raises(ValueError, match="reset"):
         check_modes(MapConfig(model="m", modes=("push", "push#2")))  # would be served from push's caches
     with pytest.raises(ValueError, match="not one of"):
         check_modes(MapConfig(model="m", modes=("auto", "auto@pull#2"), reset_caches=True))
 
     runs = {"auto": [run(spread(105))], "auto@push": [run(spread(100))], "auto@pull": [run(spread(120))],
-            "auto@push#2": [run(spread(100))], "auto#2": [run(spread(140))]}
+            "auto@push#2": [run(spread(95))], "auto#2": [run(spread(140))]}  # the fastest: but no candidate
     s = summarize(Cell("full", 128, 256, 0.8, "none"), 1.0, runs, {})
     assert set(s["aa"]) == {"auto@push#2", "auto#2"}
-    assert s["aa"]["auto@push#2"]["ttft_p50"]["verdict"] == "cannot tell"
+    assert s["aa"]["auto@push#2"]["ttft_p50"]["verdict"] == "auto@push#2 better"  # 95 against 100
     assert s["aa"]["auto#2"]["ttft_p50"]["verdict"] == "auto better"  # 140 against 105: beyond
     assert s["aa"]["auto#2"]["ttft_p50"]["runs"] == 1
     assert s["auto_vs_forced"]["best"] == "auto@push" and set(s["auto_vs_each"]) == {"auto@push", "auto@pull"}
     text = findings({"cells": [s]})
     assert "- **A/A check** (auto#2, auto@push#2: each mode run twice" in text
-    assert "beyond the 95% interval in TTFT p50 1 of 2, TTFT p99 1 of 2, TPOT p50 0 of 2" in text
+    assert "1 run(s) a side): beyond the 95% interval in TTFT p50 2 of 2, TTFT p99 2 of 2, TPOT p50 0 of 2" in text
 
 
 def test_a_one_run_map_says_its_verdicts_are_a_screen():
     from kvpush.bench.regime_report import section
 
-    s = cell_summary(push=100, pull=150, auto=101)
+    s = cell_summary(push=100, pull=150, auto=100)
     doc = {"config": {"grid": "quick", "modes": ["push", "pull", "auto"], "min_prompts": 12, "max_prompts": 40,
                       "repeats": 1}, "cells": [s]}
     assert "one run per mode: a screen" in section(doc, None)
@@ -347,8 +356,8 @@ def test_losses_are_set_against_what_chance_gives_where_nothing_differs():
     assert by_chance(0, 0) == ""
     assert "0.3 expected, 0 or more with chance 1.00" in by_chance(0, 12)
     # 3 of 12: 1 - P(0) - P(1) - P(2) of Binomial(12, 0.025) = 0.0032
-    assert "3 or more with chance 0.00)" in by_chance(3, 12)
-    assert "1 or more with chance 0.26)" in by_chance(1, 12)
+    assert "3 or more with chance 0.00 or more)" in by_chance(3, 12)
+    assert "1 or more with chance 0.26 or more)" in by_chance(1, 12)
     text = findings({"cells": [cell_summary(push=100, pull=150, auto=160)]})
     assert "1 of 1 cell(s): full 512/32 50% none; better in 0 (where nothing differs" in text
 
@@ -365,3 +374,9 @@ def test_a_difference_on_too_few_runs_is_a_screen_and_not_counted():
     two = summarize(Cell("full", 512, 32, 0.5, "none"), 1.0, {"push": runs_of(100, 2), "pull": runs_of(150, 2)}, {})
     assert not two["push_vs_pull"]["ttft_p50"]["screen"] and two["push_vs_pull"]["ttft_p99"]["screen"]
     assert "push better in 1 cell(s)" in findings({"cells": [two]})
+    other = [run(spread(150)[i::3], seed=10 + i) for i in range(3)]  # other prompts: unpaired, whatever the runs
+    apart = summarize(Cell("full", 512, 32, 0.5, "none"), 1.0, {"push": runs_of(100), "pull": other}, {})
+    assert apart["push_vs_pull"]["ttft_p50"]["verdict"] == "push better" and apart["push_vs_pull"]["ttft_p50"]["screen"]
+    old = {**one, "push_vs_pull": {k: {kk: vv for kk, vv in r.items() if kk != "screen"}
+                                   for k, r in one["push_vs_pull"].items()}}  # a map from before screens
+    assert "push better in 0 cell(s)" in findings({"cells": [old]})

@@ -276,7 +276,7 @@ def write_run(doc: dict[str, Any], result_dir: str | Path, label: str, rate: flo
     """Write ``doc`` as ``LABEL-rateRATE-YYYYmmdd-HHMMSS.json`` (never overwriting); return the path."""
     out = Path(result_dir)
     out.mkdir(parents=True, exist_ok=True)
-    safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", label) or "run"
+    safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", label.replace("#", "-twin")) or "run"  # auto#2: auto-twin2
     stem = f"{safe}-rate{fmt_rate(rate)}-{time.strftime('%Y%m%d-%H%M%S')}"
     path, n = out / f"{stem}.json", 1
     while path.exists():

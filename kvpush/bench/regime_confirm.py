@@ -1,5 +1,6 @@
 """Confirming the regime map: the cells where auto's TTFT p50 or p99 came out different from the best
-fixed mode's beyond the interval (worse or better), run again.
+fixed mode's (or, on a `--same-processes` map, the best forced route's) beyond the interval (worse or
+better; screens included), run again.
 
 Why: a full-grid cell runs each mode once (12-40 requests) and its interval resamples those requests,
 so whatever moved a whole run - the machine's load in that minute (+-15% here from one minute to the
@@ -10,7 +11,8 @@ new ones pooled. The paired ratios (push/pull, auto against each fixed mode: the
 resample runs, then requests within them (the clustered bootstrap), so their interval carries the
 drift between runs; with three runs a pooled verdict needs the runs to agree (a resample draws one
 run three times about one time in nine). Ratios against routes forced on auto's deployment, which
-ran other prompts, stay unpaired over the pooled requests. Cells flagged either way are rerun, so
+ran other prompts (unless the map reset the caches before each run, --same-processes), stay unpaired
+over the pooled requests. Cells flagged either way are rerun, so
 that the confirmation cannot only take verdicts away from one side; the screen's verdicts stay next
 to the pooled ones. The confirmation starts its own deployments: auto's cost model starts cold in
 the first flagged cell and learns only from the flagged cells, where the screen's auto had the whole
@@ -56,10 +58,11 @@ JUDGED = ("ttft_p50", "ttft_p99")  # auto vs the best fixed mode: the map's targ
 
 
 def flagged(cells: list[dict]) -> list[int]:
-    """Indices of the cells whose auto vs best-fixed TTFT p50 or p99 has a verdict (either way)."""
+    """Indices of the cells whose auto vs best-fixed (or, --same-processes, best forced route) TTFT p50 or
+    p99 differs beyond the interval (either way, screens included)."""
     def judged(c: dict, key: str) -> bool:
-        r = (c.get("auto_vs_best") or {}).get(key)
-        return isinstance(r, dict) and r.get("verdict") != "cannot tell"
+        return any(isinstance(r := (c.get(group) or {}).get(key), dict) and r.get("verdict") != "cannot tell"
+                   for group in ("auto_vs_best", "auto_vs_forced"))
 
     return [i for i, c in enumerate(cells) if any(judged(c, k) for k in JUDGED)]
 
@@ -185,5 +188,6 @@ def _confirm_cell(cfg: MapConfig, screen_cell: dict, index: int, base: SuiteConf
     moved = {r: routes.get(r, 0.0) + float((screen_cell.get("routes") or {}).get(r, 0.0)) for r in ROUTES}
     summary = summarize(cell, rate, pooled, moved, paired_forced(cfg))
     summary.update(index=index, capacity=screen_cell.get("capacity"),
-                   screen={k: screen_cell.get(k) for k in ("modes", "push_vs_pull", "auto_vs_best", "variants")})
+                   screen={k: screen_cell.get(k) for k in ("modes", "push_vs_pull", "auto_vs_best", "auto_vs_forced",
+                                                           "variants", "aa")})
     return summary

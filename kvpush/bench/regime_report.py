@@ -2,7 +2,8 @@
 and the README section ("Where push wins and where it loses") generated from regime_map.json.
 
 Every statement in the generated text names the cells behind it; a ratio whose 95% interval spans
-1.0 is "cannot tell" and is never counted for either side.
+1.0 is "cannot tell" and is never counted for either side, nor is a "screen" (beyond 1.0 on fewer runs a
+side than regime.MIN_RUNS, or unpaired), which is shown as such.
 """
 
 from __future__ import annotations
@@ -33,9 +34,16 @@ def _ms(v: float | None) -> str:
 
 
 def _cell_ratio(c: dict, group: str, key: str) -> dict | None:
+    """A ratio of the cell; in a map written before screens were marked, marked here from its runs a side
+    (or, older still, the fewest runs of any mode in the cell)."""
     g = c.get(group) or {}
     r = g.get(key)
-    return r if isinstance(r, dict) else None
+    if not isinstance(r, dict):
+        return None
+    if "screen" not in r and key in MIN_RUNS:
+        runs = r.get("runs") or min((int(m.get("runs") or 0) for m in (c.get("modes") or {}).values()), default=0)
+        r = {**r, "screen": runs < MIN_RUNS[key]}
+    return r
 
 
 def _ratio_text(r: dict | None) -> str:
@@ -101,7 +109,7 @@ def findings(doc: dict[str, Any]) -> str:
                    f"cannot tell in {len(tell)}{_screens(cells, 'push_vs_pull', key)}.")
     worse = _worse(cells, "auto_vs_best", "ttft_p50")
     better = _names(cells, "auto_vs_best", "ttft_p50", "auto better")
-    n = sum(1 for c in cells if _cell_ratio(c, "auto_vs_best", "ttft_p50") is not None)
+    n = sum(1 for c in cells if (r := _cell_ratio(c, "auto_vs_best", "ttft_p50")) is not None and not r["screen"])
     out.append(f"- **auto vs the best fixed mode of each cell (TTFT p50)**: worse beyond the interval in "
                f"{len(worse)} of {n} cell(s){': ' + '; '.join(worse) if worse else ''}; better in {len(better)}"
                f"{': ' + '; '.join(better) if better else ''}{by_chance(len(worse), n)}"
@@ -111,9 +119,10 @@ def findings(doc: dict[str, Any]) -> str:
         for key, what in (("ttft_p50", "TTFT p50"), ("ttft_p99", "TTFT p99"), ("tpot_p50", "TPOT p50")):
             worse = _worse(forced, "auto_vs_forced", key)
             better = _names(forced, "auto_vs_forced", key, "auto better")
+            judged = sum(1 for c in forced if (r := _cell_ratio(c, "auto_vs_forced", key)) is not None and not r["screen"])
             out.append(f"- **auto vs the best route forced on its own deployment ({what})**: worse beyond the interval "
                        f"in {len(worse)} of {len(forced)} cell(s){': ' + '; '.join(worse) if worse else ''}; better in "
-                       f"{len(better)}{': ' + '; '.join(better) if better else ''}{by_chance(len(worse), len(forced))}"
+                       f"{len(better)}{': ' + '; '.join(better) if better else ''}{by_chance(len(worse), judged)}"
                        f"{_screens(forced, 'auto_vs_forced', key)}.")
     for c in cells:
         each = c.get("auto_vs_each") or {}
@@ -129,13 +138,15 @@ def findings(doc: dict[str, Any]) -> str:
 
 
 def by_chance(k: int, n: int, p: float = 0.025) -> str:
-    """How many one-sided verdicts ("worse") n cells give by chance where nothing differs, if the intervals
-    hold their 95% (each side 2.5%), and the chance of k or more; empty for n = 0."""
+    """How many one-sided verdicts ("worse") n judged cells give by chance where nothing differs, if the
+    intervals hold their 95% (each side 2.5%), and the chance of k or more; empty for n = 0. A floor: the
+    "best" that auto is set against is picked from the same runs (the fastest p50), which makes "worse"
+    likelier than 2.5% where nothing differs, and several metrics tested give more chances."""
     if n <= 0:
         return ""
     tail = sum(math.comb(n, i) * p ** i * (1 - p) ** (n - i) for i in range(k, n + 1))
-    return (f" (where nothing differs, intervals that hold their 95% say \"worse\" in {p:.1%} of cells: {n * p:.1f} "
-            f"expected, {k} or more with chance {tail:.2f})")
+    return (f" (where nothing differs, intervals that hold their 95% say \"worse\" in at least {p:.1%} of the "
+            f"{n} judged cells: {n * p:.1f} expected, {k} or more with chance {tail:.2f} or more)")
 
 
 def aa_counts(cells: list[dict]) -> dict[str, list[int]]:
@@ -158,7 +169,7 @@ def aa_lines(cells: list[dict]) -> list[str]:
         return []
     twins = sorted({t for c in cells for t in (c.get("aa") or {})})
     runs = sorted({int(r.get("runs") or 0) for c in cells for ratios in (c.get("aa") or {}).values()
-                   for r in ratios.values() if isinstance(r, dict)})
+                   for key, r in ratios.items() if key in LABELS and isinstance(r, dict)})
     parts = [f"{what} {k} of {n}" for (k, n), what in zip(counts.values(), ("TTFT p50", "TTFT p99", "TPOT p50"),
                                                          strict=True)]
     return [f"- **A/A check** ({', '.join(twins)}: each mode run twice per repeat on the same prompts and processes, "
@@ -237,7 +248,8 @@ def section(doc: dict[str, Any], png: str | None) -> str:
     begin, end = markers(section_name(cfg))
     if cfg.get("confirm_of"):
         what = (f"confirmation of `{cfg['confirm_of']}`: the {len(doc.get('flagged', doc['cells']))} cell(s) where "
-                "auto's TTFT p50 or p99 differed from the best fixed mode's beyond the interval, either way, "
+                "auto's TTFT p50 or p99 differed from the best fixed mode's (or best forced route's) beyond the "
+                "interval, either way, "
                 f"run {cfg.get('repeats', 1)} more time(s) per mode at the screen's rate on fresh prompts, "
                 f"{minutes:.0f} min, on deployments of its own (auto's cost model starting cold); every ratio below is "
                 "over the screen's runs and these pooled, the paired ones resampling runs as well as their "

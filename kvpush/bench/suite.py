@@ -67,8 +67,9 @@ def variant_name(mode: str) -> str | None:
 
 
 def is_auto(mode: str) -> bool:
-    """auto or a variant of it (auto+NAME): a deployment whose proxy chooses the route."""
-    return mode == "auto" or variant_name(mode) is not None
+    """auto or a variant of it (auto+NAME), twinned or not: a deployment whose proxy chooses the route."""
+    name = parse(mode)
+    return name.route is None and (name.deployment == "auto" or variant_name(mode) is not None)
 
 
 def deployment_of(cfg: SuiteConfig, mode: str) -> tuple[str, list[str]]:
