@@ -380,3 +380,27 @@ def test_a_difference_on_too_few_runs_is_a_screen_and_not_counted():
     old = {**one, "push_vs_pull": {k: {kk: vv for kk, vv in r.items() if kk != "screen"}
                                    for k, r in one["push_vs_pull"].items()}}  # a map from before screens
     assert "push better in 0 cell(s)" in findings({"cells": [old]})
+
+
+def test_capacity_probes_on_shared_processes_start_from_empty_caches(monkeypatch: pytest.MonkeyPatch):
+    """Every capacity probe sends the same prompts: on one deployment's processes (--same-processes) the
+    second would be served from the first's prefix caches, so each is preceded by a reset."""
+    from types import SimpleNamespace
+
+    from kvpush.bench import suite
+
+    calls: list[str] = []
+    monkeypatch.setattr(suite, "reset_prefix_caches", lambda url: calls.append(f"reset {url}"))
+
+    def one_run(args, _i, _rate, _model):
+        calls.append(f"probe {args.kv_route}")
+        return {"metrics": {"request_throughput": 3.0 if args.kv_route == "pull" else 5.0}}, None
+
+    monkeypatch.setattr(suite.bench_cli, "_one_run", one_run)
+    fleet = SimpleNamespace(deployments={"auto": None}, urls={"auto": "u", "auto@pull": "u", "auto@push": "u"})
+    cfg = suite.SuiteConfig(model="m")
+    assert suite.measure_capacity(cfg, fleet, reset_caches=True) == 3.0  # type: ignore[arg-type]
+    assert calls == ["reset u", "probe pull", "reset u", "probe push"]
+    calls.clear()
+    suite.measure_capacity(cfg, fleet)  # type: ignore[arg-type]
+    assert calls == ["probe pull", "probe push"]

@@ -33,7 +33,14 @@ from kvpush.bench.calibrate import CalibrationConfig, calibrate
 from kvpush.bench.modes import base, is_twin, parse
 from kvpush.bench.report import mode_ratio_ci, paired_groups, request_values
 from kvpush.bench.stats import Stat, fmt_ci, p50, p99, verdict
-from kvpush.bench.suite import Fleet, SuiteConfig, bench_args, measure_capacity, variant_name
+from kvpush.bench.suite import (
+    Fleet,
+    SuiteConfig,
+    bench_args,
+    measure_capacity,
+    reset_prefix_caches,
+    variant_name,
+)
 
 MODES = ("colocated", "pull", "push", "push-layerwise", "auto")
 FIXED = ("pull", "push", "push-layerwise")
@@ -181,13 +188,6 @@ def _run_mode(cfg: MapConfig, suite: SuiteConfig, fleet: Fleet, cell: Cell, rate
     return doc, ({r: after[r] - before[r] for r in ROUTES} if after and before else {})
 
 
-def reset_prefix_caches(url: str) -> None:
-    """POST /reset_prefix_cache to an endpoint (a proxy resets its instances and its own tracking)."""
-    req = urllib.request.Request(url + "/reset_prefix_cache", data=b"", method="POST")
-    with urllib.request.urlopen(req, timeout=30) as r:
-        r.read()
-
-
 def _pct(values: list[float], stat: Stat) -> float | None:
     return float(stat(np.asarray(values))) if values else None
 
@@ -329,7 +329,7 @@ def map_link(cfg: MapConfig, link_name: str, link: Any, results: list[dict], sav
                 calibration[f"{link_name} {input_len}/{output_len}"] = calibrate(fleet, probe, cfg.seed)
                 save()
             suite = row_suite(base, input_len, output_len)
-            capacity = measure_capacity(suite, fleet)
+            capacity = measure_capacity(suite, fleet, reset_caches=cfg.reset_caches)
             print(f"[{link_name} {input_len}/{output_len}] capacity {capacity:.3f} req/s", flush=True)
             for cell in cells_for(cfg, link_name, input_len, output_len):
                 rate = round(cell.load * capacity, 4)

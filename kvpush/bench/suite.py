@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -194,14 +195,26 @@ def bench_args(cfg: SuiteConfig, url: str, mode: str, rate: float, seed: int) ->
     ])
 
 
-def measure_capacity(cfg: SuiteConfig, fleet: Fleet) -> float:
+def reset_prefix_caches(url: str) -> None:
+    """POST /reset_prefix_cache to an endpoint (a proxy resets its instances and its own tracking)."""
+    req = urllib.request.Request(url + "/reset_prefix_cache", data=b"", method="POST")
+    with urllib.request.urlopen(req, timeout=30) as r:
+        r.read()
+
+
+def measure_capacity(cfg: SuiteConfig, fleet: Fleet, reset_caches: bool = False) -> float:
     """Completed requests per second of the slower 1P1D deployment, push or pull (else those routes forced
     on the auto deployment, else any deployment), when every request is sent at once (cfg.capacity_prompts
-    of them, the suite's lengths): the rate both sustain."""
+    of them, the suite's lengths): the rate both sustain. Every probe sends the same prompts: where two
+    probes share processes (routes forced on one deployment) the second is served from the first's prefix
+    caches unless `reset_caches` resets them before each (it was, until 2026-12-06: P prefilled push's
+    probe of 16 x 512 tokens in 83 ms after pull's, ~1.5 s)."""
     measured = []
     modes = ([m for m in fleet.deployments if m in ("push", "pull")]
              or [m for m in fleet.urls if m in ("auto@push", "auto@pull")] or list(fleet.deployments))
     for mode in modes:
+        if reset_caches:
+            reset_prefix_caches(fleet.urls[mode])
         args = bench_args(cfg, fleet.urls[mode], mode, float("inf"), cfg.seed + 999_999)
         args.num_prompts, args.result_dir = cfg.capacity_prompts, os.path.join(cfg.result_dir, "capacity")
         doc, _ = bench_cli._one_run(args, 0, float("inf"), cfg.model)
