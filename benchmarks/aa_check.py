@@ -28,6 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kvpush.bench.regime import _ratio  # noqa: E402
+from kvpush.bench.regime_report import aa_tally  # noqa: E402
 from kvpush.bench.stats import p50, p99  # noqa: E402
 
 CHECKS = (("ttft_p50", "ttft", p50), ("ttft_p99", "ttft", p99), ("tpot_p50", "tpot", p50))
@@ -64,15 +65,10 @@ def check(result_dirs: list[Path]) -> dict[str, dict[str, int]]:
 def twin_check(result_dirs: list[Path]) -> dict[tuple[str, int], list[int]]:
     """Per (metric, runs a side), [beyond the interval, compared] over the twins' comparisons in the maps'
     regime_map.json (a confirmation pools its screen's runs: give one of the two, not both)."""
-    out: dict[tuple[str, int], list[int]] = defaultdict(lambda: [0, 0])
+    out: dict[tuple[str, int], list[int]] = {}
     for d in result_dirs:
         if (path := d / "regime_map.json").is_file():
-            for c in json.loads(path.read_text())["cells"]:
-                for ratios in (c.get("aa") or {}).values():
-                    for name, _, _ in CHECKS:
-                        if isinstance(r := ratios.get(name), dict):
-                            out[(name, int(r.get("runs") or 0))][0] += r["verdict"] != "cannot tell"
-                            out[(name, int(r.get("runs") or 0))][1] += 1
+            aa_tally(json.loads(path.read_text())["cells"], out)
     return dict(sorted(out.items()))
 
 

@@ -31,7 +31,7 @@ import numpy as np
 from kvpush.bench import cli as bench_cli
 from kvpush.bench.calibrate import CalibrationConfig, calibrate
 from kvpush.bench.modes import base, is_twin, parse
-from kvpush.bench.report import mode_ratio_ci, paired_groups, request_values
+from kvpush.bench.report import mode_ratio_ci_paired, request_values
 from kvpush.bench.stats import Stat, fmt_ci, p50, p99, verdict
 from kvpush.bench.suite import (
     Fleet,
@@ -193,12 +193,12 @@ def _pct(values: list[float], stat: Stat) -> float | None:
 
 
 def _ratio(a: list[dict], b: list[dict], metric: str, stat: Stat, a_name: str, b_name: str) -> dict[str, Any] | None:
-    ci = mode_ratio_ci(a, b, metric, stat)
-    if ci is None:
+    found = mode_ratio_ci_paired(a, b, metric, stat)
+    if found is None:
         return None
-    est, lo, hi = ci  # "runs": 1 = an interval over one run's requests, which an A/A check finds overconfident
-    return {"ratio": est, "lo": lo, "hi": hi, "verdict": verdict(lo, hi, a_name, b_name), "text": fmt_ci(est, lo, hi),
-            "runs": min(len(a), len(b)), "paired": paired_groups(a, b, metric) is not None}
+    (est, lo, hi), paired = found  # "runs": 1 = an interval over one run's requests, which an A/A check finds
+    return {"ratio": est, "lo": lo, "hi": hi, "verdict": verdict(lo, hi, a_name, b_name),  # overconfident
+            "text": fmt_ci(est, lo, hi), "runs": min(len(a), len(b)), "paired": paired}
 
 
 def summarize(cell: Cell, rate: float, runs: dict[str, list[dict]], routes: dict[str, float],

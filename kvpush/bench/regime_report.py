@@ -87,6 +87,11 @@ def _worse(cells: list[dict], group: str, key: str) -> list[str]:
             and r["verdict"] == f"{c[group]['best']} better"]
 
 
+def _judged(cells: list[dict], group: str, key: str) -> int:
+    """How many cells have a ratio there that counts as a verdict (not a screen)."""
+    return sum(1 for c in cells if (r := _cell_ratio(c, group, key)) is not None and not r["screen"])
+
+
 def _screens(cells: list[dict], group: str, key: str) -> str:
     """' (N screen verdict(s) ...)' for differences seen on too few runs a side to count; else empty."""
     seen = [f"{c['name']} {r['verdict']}" for c in cells if (r := _cell_ratio(c, group, key)) is not None
@@ -109,7 +114,7 @@ def findings(doc: dict[str, Any]) -> str:
                    f"cannot tell in {len(tell)}{_screens(cells, 'push_vs_pull', key)}.")
     worse = _worse(cells, "auto_vs_best", "ttft_p50")
     better = _names(cells, "auto_vs_best", "ttft_p50", "auto better")
-    n = sum(1 for c in cells if (r := _cell_ratio(c, "auto_vs_best", "ttft_p50")) is not None and not r["screen"])
+    n = _judged(cells, "auto_vs_best", "ttft_p50")
     out.append(f"- **auto vs the best fixed mode of each cell (TTFT p50)**: worse beyond the interval in "
                f"{len(worse)} of {n} cell(s){': ' + '; '.join(worse) if worse else ''}; better in {len(better)}"
                f"{': ' + '; '.join(better) if better else ''}{by_chance(len(worse), n)}"
@@ -119,10 +124,9 @@ def findings(doc: dict[str, Any]) -> str:
         for key, what in (("ttft_p50", "TTFT p50"), ("ttft_p99", "TTFT p99"), ("tpot_p50", "TPOT p50")):
             worse = _worse(forced, "auto_vs_forced", key)
             better = _names(forced, "auto_vs_forced", key, "auto better")
-            judged = sum(1 for c in forced if (r := _cell_ratio(c, "auto_vs_forced", key)) is not None and not r["screen"])
             out.append(f"- **auto vs the best route forced on its own deployment ({what})**: worse beyond the interval "
                        f"in {len(worse)} of {len(forced)} cell(s){': ' + '; '.join(worse) if worse else ''}; better in "
-                       f"{len(better)}{': ' + '; '.join(better) if better else ''}{by_chance(len(worse), judged)}"
+                       f"{len(better)}{': ' + '; '.join(better) if better else ''}{by_chance(len(worse), _judged(forced, 'auto_vs_forced', key))}"
                        f"{_screens(forced, 'auto_vs_forced', key)}.")
     for c in cells:
         each = c.get("auto_vs_each") or {}
@@ -149,29 +153,33 @@ def by_chance(k: int, n: int, p: float = 0.025) -> str:
             f"{n} judged cells: {n * p:.1f} expected, {k} or more with chance {tail:.2f} or more)")
 
 
-def aa_counts(cells: list[dict]) -> dict[str, list[int]]:
-    """Per metric, [beyond the interval, compared] over every twin (M#N) against its mode M."""
-    out = {key: [0, 0] for key in ("ttft_p50", "ttft_p99", "tpot_p50")}
+def aa_tally(cells: list[dict], out: dict[tuple[str, int], list[int]] | None = None) -> dict[tuple[str, int], list[int]]:
+    """Per (metric, runs a side), [beyond the interval, compared] over every twin (M#N) against its mode M,
+    added to `out` where given (several maps)."""
+    out = {} if out is None else out
     for c in cells:
         for ratios in (c.get("aa") or {}).values():
-            for key, r in ratios.items():
-                if isinstance(r, dict) and key in out:
-                    out[key][0] += r["verdict"] != "cannot tell"
-                    out[key][1] += 1
+            for key in LABELS:
+                if isinstance(r := ratios.get(key), dict):
+                    count = out.setdefault((key, int(r.get("runs") or 0)), [0, 0])
+                    count[0] += r["verdict"] != "cannot tell"
+                    count[1] += 1
     return out
 
 
 def aa_lines(cells: list[dict]) -> list[str]:
     """The A/A check: how often a mode's twin (same prompts, same processes) differed from it beyond the
     interval; a 95% interval should do so ~5% of the time. Nothing without twins."""
-    counts = aa_counts(cells)
-    if not any(n for _, n in counts.values()):
+    tally = aa_tally(cells)
+    if not tally:
         return []
     twins = sorted({t for c in cells for t in (c.get("aa") or {})})
-    runs = sorted({int(r.get("runs") or 0) for c in cells for ratios in (c.get("aa") or {}).values()
-                   for key, r in ratios.items() if key in LABELS and isinstance(r, dict)})
-    parts = [f"{what} {k} of {n}" for (k, n), what in zip(counts.values(), ("TTFT p50", "TTFT p99", "TPOT p50"),
-                                                         strict=True)]
+    runs = sorted({n for _, n in tally})
+    counts = {key: [0, 0] for key in LABELS}
+    for (key, _), (k, n) in tally.items():
+        counts[key][0] += k
+        counts[key][1] += n
+    parts = [f"{LABELS[key]} {k} of {n}" for key, (k, n) in counts.items()]
     return [f"- **A/A check** ({', '.join(twins)}: each mode run twice per repeat on the same prompts and processes, "
             f"{'/'.join(map(str, runs))} run(s) a side): beyond the 95% interval in " + ", ".join(parts)
             + " (expected ~5%)."]

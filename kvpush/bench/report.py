@@ -173,13 +173,20 @@ def mode_ratio_ci(a: Sequence[Run], b: Sequence[Run], metric: str, stat: Stat) -
     """``stat`` of mode a's requests / mode b's with a 95% bootstrap interval: paired by prompt when the
     runs share prompt sets (``paired_groups``; with several repeats the repeats are resampled too);
     else over the pooled requests of each side independently. None without values on both sides."""
+    found = mode_ratio_ci_paired(a, b, metric, stat)
+    return None if found is None else found[0]
+
+
+def mode_ratio_ci_paired(a: Sequence[Run], b: Sequence[Run], metric: str,
+                         stat: Stat) -> tuple[tuple[float, float, float], bool] | None:
+    """``mode_ratio_ci`` and whether its interval was the paired one (False: pooled requests, unpaired)."""
     groups = paired_groups(a, b, metric)
     if groups is not None and sum(len(x) for x, _ in groups) >= 2:
-        return clustered_ratio_ci(groups, stat=stat)  # one group: a plain paired bootstrap
+        return clustered_ratio_ci(groups, stat=stat), True  # one group: a plain paired bootstrap
     x, y = request_values(a, metric), request_values(b, metric)
     if len(x) < 2 or len(y) < 2:
         return None
-    return ratio_ci(x, y, stat=stat)
+    return ratio_ci(x, y, stat=stat), False
 
 
 def _ratio_cell(push: Sequence[Run], pull: Sequence[Run], key: str) -> str:
