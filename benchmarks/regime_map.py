@@ -42,27 +42,24 @@ from kvpush.bench.regime import (
 )
 from kvpush.bench.regime_confirm import ConfirmError, confirm
 from kvpush.bench.regime_report import report
-from kvpush.cli import add_auto_arguments
+from kvpush.bench.suite import split_variant_flags
 from kvpush.config import default_model_dir
 from kvpush.demo import ensure_model
 
 
 def parse_variants(ap: argparse.ArgumentParser, specs: list[str]) -> dict[str, list[str]]:
     """--auto-variant NAME=FLAGS -> {NAME: [flags]}; a name is letters, digits, '-' or '_', the flags the
-    proxy's --auto-* ones (checked here, not when the proxy would exit at start)."""
-    auto_flags = argparse.ArgumentParser(prog="--auto-variant", add_help=False, exit_on_error=False)
-    add_auto_arguments(auto_flags)
+    proxy's --auto-* ones or the instances' scheduler flags (checked here, not when a process would exit
+    at start)."""
     out: dict[str, list[str]] = {}
     for spec in specs:
         name, sep, flags = spec.partition("=")
         if not sep or not re.fullmatch(r"[A-Za-z0-9_-]+", name) or name in out:
             ap.error(f"--auto-variant {spec!r}: expected NAME=FLAGS with a new NAME of letters, digits, - or _")
         try:
-            _, unknown = auto_flags.parse_known_args(shlex.split(flags))
-        except (argparse.ArgumentError, ValueError) as exc:
+            split_variant_flags(shlex.split(flags))
+        except ValueError as exc:
             ap.error(f"--auto-variant {spec!r}: {exc}")
-        if unknown:
-            ap.error(f"--auto-variant {spec!r}: not a proxy --auto-* flag: {' '.join(unknown)}")
         out[name] = shlex.split(flags)
     return out
 
@@ -105,8 +102,9 @@ def main() -> None:
                                                           "e.g. \"--auto-stall-weight 2\" (one flag alone: --auto-proxy-args=--flag=value)")
     ap.add_argument("--auto-variant", action="append", default=[], metavar="NAME=FLAGS",
                     help="also run auto with other --auto-* proxy flags (after --auto-proxy-args, so they override "
-                         "them) as mode auto+NAME, a deployment of its own on the same prompts, e.g. --auto-variant "
-                         "'w1=--auto-stall-weight 1' (repeatable)")
+                         "them) or other scheduler flags of its instances (--prefill-join-tokens, --max-num-batched-"
+                         "tokens, ...) as mode auto+NAME, a deployment of its own on the same prompts, e.g. "
+                         "--auto-variant 'w1=--auto-stall-weight 1' (repeatable)")
     ap.add_argument("--confirm", type=Path, default=None, metavar="SCREEN",
                     help="rerun the cells of this map (its result dir or regime_map.json) where auto's TTFT p50 "
                          "or p99 differed from the best fixed mode's (or best forced route's) beyond the interval, --repeats times (default "

@@ -48,14 +48,23 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-blocks", type=int, default=_default(CacheConfig, "num_blocks"))
     g.add_argument("--kv-cache-memory-mb", type=int, default=_default(CacheConfig, "kv_cache_memory_mb"))
     g.add_argument("--no-prefix-caching", action="store_true")
-    g.add_argument("--max-num-seqs", type=int, default=_default(SchedulerConfig, "max_num_seqs"))
-    g.add_argument("--max-num-batched-tokens", type=int, default=_default(SchedulerConfig, "max_num_batched_tokens"))
-    g.add_argument("--no-chunked-prefill", action="store_true")
+    add_scheduler_arguments(g)
     g.add_argument("--torch-threads", type=int, default=None,
                    help="torch intra-op threads (default: one per --cpus core, else $KVPUSH_TORCH_THREADS or 1)")
     g.add_argument("--seed", type=int, default=_default(EngineConfig, "seed"))
     g.add_argument("--compile", default=compile_mode_default().value, choices=[m.value for m in CompileMode],
                    help="torch.compile the model: auto (if inductor can build here), on (or fail), off")
+
+
+def add_scheduler_arguments(g: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """The engine's scheduling flags (`kvpush serve`; the regime map's --auto-variant takes them too)."""
+    g.add_argument("--max-num-seqs", type=int, default=_default(SchedulerConfig, "max_num_seqs"))
+    g.add_argument("--max-num-batched-tokens", type=int, default=_default(SchedulerConfig, "max_num_batched_tokens"))
+    g.add_argument("--no-chunked-prefill", action="store_true")
+    g.add_argument("--prefill-join-tokens", type=int, default=_default(SchedulerConfig, "prefill_join_tokens"),
+                   help="a prefill of more tokens than this waits for the next step rather than join a step that "
+                        "already computes one (every request of a step ends with it); -1: pack up to "
+                        "--max-num-batched-tokens (vLLM); default: by device, 16 on a CPU, no limit on a GPU")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -69,11 +78,19 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=ModelConfig(args.model, args.dtype, args.device, args.max_model_len),
         cache=CacheConfig(args.block_size, args.num_blocks, args.kv_cache_memory_mb, not args.no_prefix_caching),
-        scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, not args.no_chunked_prefill),
+        scheduler=_scheduler_config(args),
         torch_threads=args.torch_threads,
         seed=args.seed,
         compile=CompileMode(args.compile),
     )
+
+
+def _scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
+    try:
+        return SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, not args.no_chunked_prefill,
+                               args.prefill_join_tokens)
+    except ValueError as exc:
+        raise SystemExit(f"kvpush: {exc}") from None
 
 
 def _check_device(name: str) -> None:

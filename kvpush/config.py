@@ -81,6 +81,15 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
+    # A waiting request that would compute more than this many prompt tokens does not join a step that
+    # already computes another prefill: it runs in the next step (engine/scheduler.py). -1: no limit (vLLM's
+    # packing up to max_num_batched_tokens); None: by device (engine.py: CPU_PREFILL_JOIN_TOKENS on a CPU,
+    # no limit on a GPU).
+    prefill_join_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.prefill_join_tokens is not None and self.prefill_join_tokens < -1:
+            raise ValueError("--prefill-join-tokens must be -1 (no limit) or at least 0")
 
 
 @dataclass(frozen=True)

@@ -45,3 +45,16 @@ def test_the_proxy_takes_autos_near_tie_and_residual_flags() -> None:
     assert (defaults.auto_near_tie, defaults.auto_residual_alpha, defaults.auto_switch_margin) == (0.0, 0.2, 0.2)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["proxy", "--prefill", "http://p", "--decode", "http://d", "--auto-residual-alpha", "2"])
+
+
+def test_serve_takes_the_prefill_join_limit() -> None:
+    from kvpush.cli import build_parser, engine_config_from_args
+
+    def config(*flags: str):
+        return engine_config_from_args(build_parser().parse_args(["serve", "m", *flags])).scheduler
+
+    assert config().prefill_join_tokens is None  # by device (the engine resolves it)
+    assert config("--prefill-join-tokens", "-1").prefill_join_tokens == -1
+    assert config("--prefill-join-tokens", "64").prefill_join_tokens == 64
+    with pytest.raises(SystemExit, match="prefill-join-tokens"):
+        config("--prefill-join-tokens", "-3")

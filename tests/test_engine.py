@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from kvpush_testing import devices
 
 from kvpush.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from kvpush.engine.engine import LLMEngine
+from kvpush.engine.engine import CPU_PREFILL_JOIN_TOKENS, LLMEngine
 from kvpush.engine.sampling_params import SamplingParams
 from kvpush.errors import InvalidRequestError, ModelLoadError
 
@@ -26,11 +26,11 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 
 def engine(model: str, num_blocks: int = 128, block_size: int = 4, budget: int = 512, chunked: bool = True,
-           prefix: bool = True, max_seqs: int = 32, device: str = "cpu") -> LLMEngine:
+           prefix: bool = True, max_seqs: int = 32, device: str = "cpu", join: int | None = None) -> LLMEngine:
     return LLMEngine(EngineConfig(
         model=ModelConfig(model, device=device),
         cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=prefix),
-        scheduler=SchedulerConfig(max_seqs, budget, chunked)))
+        scheduler=SchedulerConfig(max_seqs, budget, chunked, join)))
 
 
 def generate(eng: LLMEngine, prompts: list[list[int]], params: SamplingParams = GREEDY) -> list[list[int]]:
@@ -98,6 +98,19 @@ def test_chunked_prefill_equals_whole_prefill(tiny_model, device):
     whole = generate(engine(tiny_model, budget=512, device=device), ps)
     chunked = generate(engine(tiny_model, budget=8, device=device), ps)
     assert whole == chunked
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_prefills_packed_or_one_at_a_time_give_the_same_tokens(tiny_model, device):
+    ps = prompts(1000, (30, 45, 9, 20))
+    packed, serial = engine(tiny_model, join=-1, device=device), engine(tiny_model, join=0, device=device)
+    assert generate(packed, ps) == generate(serial, ps)
+    assert serial.step_count > packed.step_count  # the prefills ran in steps of their own
+
+
+def test_prefill_join_limit_by_device(tiny_model):
+    assert engine(tiny_model).scheduler.join_limit == CPU_PREFILL_JOIN_TOKENS
+    assert engine(tiny_model, join=-1).scheduler.join_limit == -1
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -262,13 +262,27 @@ def test_auto_variant_flags_are_parsed_and_bad_names_refused():
     cli = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(cli)
     ap = argparse.ArgumentParser()
-    assert cli.parse_variants(ap, ["w3=--auto-stall-weight 3", "b_5=--auto-local-share=0.05"]) == {
-        "w3": ["--auto-stall-weight", "3"], "b_5": ["--auto-local-share=0.05"]}
+    assert cli.parse_variants(ap, ["w3=--auto-stall-weight 3", "b_5=--auto-local-share=0.05",
+                                   "pack=--prefill-join-tokens -1 --auto-stall-weight 1"]) == {
+        "w3": ["--auto-stall-weight", "3"], "b_5": ["--auto-local-share=0.05"],
+        "pack": ["--prefill-join-tokens", "-1", "--auto-stall-weight", "1"]}
     for bad in (["w3"], ["a b=--auto-stall-weight 1"], ["w3=--auto-stall-weight 1", "w3=--auto-stall-weight 2"],
                 ["=--auto-stall-weight 1"], ["w3=--auto-stall-weigth 3"], ["w3=--kv-mode push"],
-                ["w3=--auto-stall-weight -1"]):
+                ["w3=--auto-stall-weight -1"], ["j=--prefill-join-tokens x"], ["j=--port 1"]):
         with pytest.raises(SystemExit):
             cli.parse_variants(ap, bad)
+
+
+def test_a_variants_scheduler_flags_go_to_its_instances_and_its_auto_flags_to_its_proxy():
+    from kvpush.bench.suite import SuiteConfig, deployment_of
+
+    cfg = SuiteConfig(model="m", modes=("auto", "auto+pack"), serve_args=["--torch-threads", "1"],
+                      auto_proxy_args=["--auto-stall-weight", "3"],
+                      auto_variants={"pack": ["--prefill-join-tokens", "-1", "--auto-stall-weight", "1"]})
+    assert deployment_of(cfg, "auto+pack") == ("auto", ["--auto-stall-weight", "3", "--auto-stall-weight", "1"],
+                                               ["--torch-threads", "1", "--prefill-join-tokens", "-1"])
+    assert deployment_of(cfg, "auto") == ("auto", ["--auto-stall-weight", "3"], ["--torch-threads", "1"])
+    assert deployment_of(cfg, "push") == ("push", [], ["--torch-threads", "1"])
 
 
 def test_same_processes_runs_every_fixed_mode_as_a_route_on_autos_processes_on_autos_prompts():

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from kvpush.config import SchedulerConfig
 from kvpush.engine.block_manager import BlockManager
 from kvpush.engine.request import Request, RequestStatus
@@ -90,3 +92,55 @@ def test_random_workload_frees_everything():
     assert s.num_unfinished() == 0
     assert s.block_manager.num_free_blocks == 12
     assert all(r.is_finished for r in reqs)
+
+
+def make_joining(join: int, budget: int = 64) -> Scheduler:
+    return Scheduler(SchedulerConfig(8, budget, True, join), BlockManager(64, 4), max_model_len=1024)
+
+
+def test_prefills_join_a_step_one_at_a_time():
+    """Two prefills larger than the join limit run in consecutive steps, in arrival order: the first
+    ends after its own step instead of after both."""
+    s = make_joining(join=4)
+    a, b = add(s, "a", 10), add(s, "b", 20)
+    assert run_step(s).scheduled == [(a, 10)] and a.output_token_ids == [7]
+    assert run_step(s).scheduled == [(a, 1), (b, 20)]
+
+
+def test_small_prefills_join_and_fifo_holds():
+    """A prefill within the limit joins a step with another; a large one behind a blocked head waits too."""
+    s = make_joining(join=4)
+    a, b, c, d = add(s, "a", 10), add(s, "b", 3), add(s, "c", 12), add(s, "d", 2)
+    assert run_step(s).scheduled == [(a, 10), (b, 3)]  # c waits; d (small) must not overtake it
+    assert [r for r, _ in run_step(s).scheduled] == [a, b, c, d]  # c first in its step: d (2 tokens) joins
+
+
+def test_running_chunk_counts_as_a_prefill():
+    """A long prompt continuing in chunks keeps a large newcomer out of its steps."""
+    s = make_joining(join=4, budget=16)
+    a = add(s, "a", 40)
+    run_step(s)
+    b = add(s, "b", 8)
+    assert run_step(s).scheduled == [(a, 16)]
+    assert run_step(s).scheduled == [(a, 8)]  # a's last chunk: b still waits (the budget would allow it)
+    assert run_step(s).scheduled == [(a, 1), (b, 8)]
+
+
+def test_decodes_do_not_keep_a_prefill_out():
+    s = make_joining(join=0)
+    a = add(s, "a", 8)
+    run_step(s)
+    b = add(s, "b", 20)
+    assert run_step(s).scheduled == [(a, 1), (b, 20)]
+
+
+def test_join_limit_minus_one_packs_as_before():
+    s = make_joining(join=-1)
+    a, b = add(s, "a", 10), add(s, "b", 20)
+    assert run_step(s).scheduled == [(a, 10), (b, 20)]
+    assert make(budget=64).join_limit == -1  # None: a scheduler built alone packs (the engine resolves None)
+
+
+def test_join_limit_below_minus_one_is_refused():
+    with pytest.raises(ValueError, match="prefill-join-tokens"):
+        SchedulerConfig(prefill_join_tokens=-2)

@@ -193,8 +193,8 @@ def _each_parts(each: dict[str, dict], *extra: str) -> list[str]:
 
 
 def _variant_lines(doc: dict[str, Any], cells: list[dict]) -> list[str]:
-    """Per auto variant (its own deployment, auto's proxy with other flags): against auto and each fixed
-    mode, per cell."""
+    """Per auto variant (its own deployment, auto's proxy or its instances with other flags): against auto
+    and each fixed mode, per cell."""
     flags = (doc.get("config") or {}).get("auto_variants") or {}
     out = []
     for c in cells:

@@ -57,6 +57,7 @@ class SuiteConfig:
     pin: bool = False  # P and D on separate halves of the cores (see kvpush.placement)
     auto_proxy_args: list[str] = field(default_factory=list)  # extra `kvpush proxy` flags of the auto deployment
     # auto+NAME modes: a deployment of its own each, an auto proxy with auto_proxy_args and then these flags
+    # (its --auto-* ones; scheduler flags among them go to its instances after serve_args: split_variant_flags)
     auto_variants: dict[str, list[str]] = field(default_factory=dict)
     calibrate: bool = False  # run_suite: check the processes first, restart a slow one (bench/calibrate.py)
 
@@ -73,12 +74,39 @@ def is_auto(mode: str) -> bool:
     return name.route is None and (name.deployment == "auto" or variant_name(mode) is not None)
 
 
-def deployment_of(cfg: SuiteConfig, mode: str) -> tuple[str, list[str]]:
-    """The --kv-mode and the extra proxy flags of a mode's deployment."""
+def split_variant_flags(flags: list[str]) -> tuple[list[str], list[str]]:
+    """An auto variant's flags -> (the proxy's --auto-* flags, the instances' scheduler flags), each in
+    the order given. Raises ValueError naming a flag that is neither, or a value a parser refuses."""
+    from kvpush.cli import add_auto_arguments, add_scheduler_arguments  # kvpush.cli imports the bench lazily
+
+    parsers = [argparse.ArgumentParser(add_help=False, exit_on_error=False) for _ in range(2)]
+    add_auto_arguments(parsers[0])
+    add_scheduler_arguments(parsers[1])
+    try:
+        _, serve = parsers[0].parse_known_args(flags)
+        _, unknown = parsers[1].parse_known_args(serve)
+    except argparse.ArgumentError as exc:
+        raise ValueError(str(exc)) from None
+    if unknown:
+        raise ValueError(f"not a proxy --auto-* flag nor a scheduler flag of `kvpush serve`: {' '.join(unknown)}")
+    left = iter(serve)  # serve is a subsequence of flags: the rest is the proxy's
+    want = next(left, None)
+    proxy = []
+    for f in flags:
+        if f == want:
+            want = next(left, None)
+        else:
+            proxy.append(f)
+    return proxy, serve
+
+
+def deployment_of(cfg: SuiteConfig, mode: str) -> tuple[str, list[str], list[str]]:
+    """The --kv-mode, the extra proxy flags and the serve flags of a mode's deployment."""
     name = variant_name(mode)
     if name is not None:  # auto's own extra flags first: the variant's override them (the last wins)
-        return "auto", [*cfg.auto_proxy_args, *cfg.auto_variants[name]]
-    return mode, list(cfg.auto_proxy_args) if mode == "auto" else []
+        proxy, serve = split_variant_flags(cfg.auto_variants[name])
+        return "auto", [*cfg.auto_proxy_args, *proxy], [*cfg.serve_args, *serve]
+    return mode, list(cfg.auto_proxy_args) if mode == "auto" else [], list(cfg.serve_args)
 
 
 class Fleet:
@@ -100,8 +128,8 @@ class Fleet:
         hosts = [parse(m).deployment for m in self.forced]  # a forced route alone still needs its deployment
         for mode in dict.fromkeys([*cfg.modes, *hosts]):
             if mode != "colocated" and mode not in self.forced:
-                kv_mode, proxy_args = deployment_of(cfg, mode)
-                self.deployments[mode] = Deployment(cfg.model, 1, 1, kv_mode, free_port(), cfg.serve_args, proxy_args,
+                kv_mode, proxy_args, serve_args = deployment_of(cfg, mode)
+                self.deployments[mode] = Deployment(cfg.model, 1, 1, kv_mode, free_port(), serve_args, proxy_args,
                                                     log_dir=os.path.join(log_dir, mode), pin=cfg.pin, link=link)
 
     def start(self) -> Fleet:

@@ -6,6 +6,13 @@ continues in chunks), then waiting requests in arrival order while budget, seque
 blocks last. When a running request cannot get a block, the most recently arrived running request
 is preempted: its blocks are freed and it is recomputed later from scratch.
 
+Prefills join a step one at a time (`prefill_join_tokens`): a waiting request that would compute
+more than that many tokens does not join a step that already computes a prefill, and nothing behind
+it is admitted. Where a step's time grows with its tokens (a CPU), packing two prefills into one
+step delays the first by the second's whole prefill and speeds neither: every request in the step
+ends when the step does. Small joins (a request whose KV arrived from a peer recomputes one token)
+cost the others little and save a step.
+
 No I/O and no tensor work: this module is plain Python.
 """
 
@@ -54,6 +61,8 @@ HoldHook = Callable[[Request], bool]
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int) -> None:
         self.config = config
+        # None (by device) is resolved by the engine; a scheduler built alone packs as vLLM does
+        self.join_limit = -1 if config.prefill_join_tokens is None else config.prefill_join_tokens
         self.block_manager = block_manager
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
@@ -134,6 +143,7 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int, admit: AdmissionHook | None) -> None:
+        prefilling = any(n > 1 for _, n in out.scheduled)  # a running request's prefill chunk
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             decision = admit(request) if admit is not None else Admission.RUN
@@ -151,6 +161,8 @@ class Scheduler:
             num_new = request.num_tokens - request.num_computed_tokens - len(cached) * self.block_manager.block_size
             if not self.config.enable_chunked_prefill and num_new > budget:
                 break
+            if prefilling and not self._may_join(num_new):
+                break
             num_new = min(num_new, budget)
             if not self.block_manager.allocate(request, num_new, cached):
                 break
@@ -162,6 +174,11 @@ class Scheduler:
             self.running.append(request)
             out.scheduled.append((request, num_new))
             budget -= num_new
+            prefilling = prefilling or num_new > 1
+
+    def _may_join(self, num_new: int) -> bool:
+        """Whether a prefill of num_new tokens joins a step that already computes another prefill."""
+        return self.join_limit < 0 or num_new <= self.join_limit
 
     def _cached_prefix(self, request: Request) -> list[int]:
         if request.block_table:  # received or partially computed KV already in place
