@@ -217,7 +217,7 @@ def add_proxy_arguments(p: argparse.ArgumentParser) -> None:
 
 
 AUTO_FLAGS = ("auto_stall_weight", "auto_local_max_ms", "auto_local_share", "auto_local_window_s", "auto_near_tie",
-             "auto_residual_alpha", "auto_switch_margin", "auto_tail_share")
+             "auto_residual_alpha", "auto_switch_margin")
 
 
 def add_auto_arguments(p: argparse.ArgumentParser) -> None:
@@ -240,10 +240,6 @@ def add_auto_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--auto-residual-alpha", type=unit_fraction, default=_default(ProxyConfig, "auto_residual_alpha"),
                    help="--kv-mode auto: weight of the newest answer in a route's correction of its fitted TTFT "
                         "(the queue ahead left out) by its recent measured/fitted ratio, per prompt size class (0: off)")
-    p.add_argument("--auto-tail-share", type=unit_fraction, default=_default(ProxyConfig, "auto_tail_share"),
-                   help="--kv-mode auto: at most this share of decisions sends a request whose remote estimate is "
-                        "in the tail of the recent ones to D's local prefill, stall or not, where that is much "
-                        "faster (TTFT p99 at the cost of a few decoding requests' TPOT; 0: off)")
     p.add_argument("--auto-switch-margin", type=non_negative_float, default=_default(ProxyConfig, "auto_switch_margin"),
                    help="--kv-mode auto: another remote route replaces the one last chosen only when its cost is "
                         "lower by more than this fraction (0: the cheapest always)")
@@ -264,8 +260,7 @@ def cmd_proxy(args: argparse.Namespace) -> int:
                          probe_interval_s=args.probe_interval_s, auto_stall_weight=args.auto_stall_weight,
                          auto_local_max_ms=args.auto_local_max_ms, auto_local_share=args.auto_local_share,
                          auto_local_window_s=args.auto_local_window_s, auto_near_tie=args.auto_near_tie,
-                         auto_residual_alpha=args.auto_residual_alpha, auto_switch_margin=args.auto_switch_margin,
-                         auto_tail_share=args.auto_tail_share)
+                         auto_residual_alpha=args.auto_residual_alpha, auto_switch_margin=args.auto_switch_margin)
     asyncio.run(serve_proxy(config))
     return 0
 

@@ -259,11 +259,6 @@ class ProxyConfig:
     # log(measured / fitted TTFT, the queue ahead left out) per size class of the uncached prompt,
     # kv_fit.Residuals); 0: off
     auto_residual_alpha: float = 0.2
-    # --kv-mode auto: at most this share of decisions sends a request whose cheapest remote estimate is in
-    # the tail of the recent ones (>= their TAIL_QUANTILE) to D's local prefill regardless of the stall it
-    # inflicts, where that is estimated at most TAIL_GAIN of the remote route (kv_choice.CostModel.tail_rescue):
-    # TTFT p99 is set by a few requests, TPOT p50 by the many a few stalls leave alone; 0: off
-    auto_tail_share: float = 0.03
 
 
 def env_str(name: str, default: str | None = None) -> str | None:

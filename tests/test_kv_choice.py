@@ -11,7 +11,6 @@ from kvpush.server.kv_choice import (
     EXPLORE_EVERY,
     EXPLORE_EVERY_LATER,
     STALE_AFTER,
-    TAIL_MIN,
     TIE_EVERY,
     CostModel,
     Decision,
@@ -151,42 +150,6 @@ def test_burst_at_prefill_lifts_the_cap_on_local():
     assert "local" in crowded.estimates_s and crowded.route is Route.PUSH, crowded.estimates_s
     d_backlog = m.choose(decision(tokens=512, p_queue=4096, d_queue=4096))  # D's own queue is as long as P's
     assert d_backlog.route is Route.PUSH and "local" not in d_backlog.estimates_s
-
-
-def warmed(tail_share: float = 0.03) -> CostModel:
-    """Stall weight 3, the 64-ms cap, and TAIL_MIN + 10 ordinary decisions (512 tokens, 4 decoding on D,
-    0-512 tokens queued at P: push, local charged its stall)."""
-    m = trained(stall_weight=3.0, local_max_s=0.064)
-    m.tail_share = tail_share
-    for i in range(TAIL_MIN + 10):
-        assert m.choose(decision(tokens=512, p_queue=128 * (i % 5), d_running=4)).route is not Route.LOCAL
-    return m
-
-
-def test_a_request_in_the_tail_goes_local_though_its_stall_costs_more():
-    m = warmed()
-    tail = m.choose(decision(tokens=512, p_queue=4096, d_running=8))  # ~1.6 s of queue at P; 8 streams stall
-    assert tail.route is Route.LOCAL and tail.reason == "tail", tail.costs_s
-    assert tail.costs_s["local"] > min(tail.costs_s[r] for r in ("push", "pull", "push-layerwise"))
-    again = m.choose(decision(tokens=512, p_queue=4096, d_running=8))  # the share's credit is spent
-    assert again.route is Route.PUSH and again.reason == "cheapest", again.costs_s
-    for _ in range(40):  # 0.03 a decision: one more rescue after ~34 decisions
-        m.choose(decision(tokens=512, p_queue=256, d_running=4))
-    assert m.choose(decision(tokens=512, p_queue=4096, d_running=8)).reason == "tail"
-
-
-def test_no_rescue_when_off_outside_the_tail_or_when_local_is_not_much_faster():
-    assert warmed(tail_share=0.0).choose(decision(tokens=512, p_queue=4096, d_running=8)).route is Route.PUSH
-    m = warmed()
-    ordinary = m.choose(decision(tokens=128, p_queue=256, d_running=8))  # below the recent estimates
-    assert ordinary.route is Route.PUSH, ordinary.costs_s
-    assert ordinary.estimates_s["local"] < 0.6 * ordinary.estimates_s["push"]  # local is much faster, but no tail
-    # D's own backlog: local allowed (P's queue is longer) but not much faster than P
-    slow_d = m.choose(decision(tokens=512, p_queue=4096, d_queue=3000, d_running=8))
-    assert "local" in slow_d.estimates_s and slow_d.route is Route.PUSH, slow_d.estimates_s
-    forced = m.choose(decision(tokens=512, p_queue=4096, d_running=8), (Route.PULL,))
-    assert forced.route is Route.PULL
-    assert m.choose(decision(tokens=512, p_queue=4096, d_running=8)).reason == "tail"  # the credit was kept
 
 
 def test_prefix_on_decode_makes_local_cheap_even_when_busy():

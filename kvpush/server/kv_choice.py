@@ -96,16 +96,12 @@ Not used: descriptor count (pull's READ cost grows with fragmented KV; on one ho
 from __future__ import annotations
 
 import math
-from collections import deque
 from dataclasses import dataclass, field
 from enum import StrEnum
 
 from kvpush.config import ProxyConfig
 from kvpush.server.kv_fit import Line, Residuals, RouteFit
-from kvpush.server.kv_outcome import Outcome, outcome
 from kvpush.server.kv_prefix import CHARS_PER_UNIT, PromptKey
-
-__all__ = ["CostModel", "Decision", "Outcome", "Route", "outcome"]  # Outcome, outcome: answers' side, kv_outcome
 
 EXPLORE_EVERY = 20  # while some route has fewer than WELL_MEASURED samples
 EXPLORE_EVERY_LATER = 100
@@ -117,12 +113,6 @@ RESIDUAL_ALPHA = ProxyConfig.auto_residual_alpha
 SWITCH_MARGIN = ProxyConfig.auto_switch_margin
 PRIOR_TOKENS_PER_CHAR = 0.25
 STALL_WEIGHT = ProxyConfig.auto_stall_weight
-TAIL_SHARE = ProxyConfig.auto_tail_share
-TAIL_WINDOW = 200  # decisions whose cheapest remote estimates make "the recent ones"
-TAIL_QUANTILE = 0.95  # a request is in the tail when its cheapest remote estimate is at least this quantile of them
-TAIL_GAIN = 0.6  # ... and D's local estimate at most this fraction of it
-TAIL_MIN = 50  # no rescue before this many estimates are recorded
-TAIL_BURST = 2.0  # rescues a burst may take at once (the share's credit is capped here)
 
 
 class Route(StrEnum):
@@ -155,7 +145,7 @@ class Decision:
     prefilled: bool = False  # its tokens have left the prefill queue they were counted in
     local_s: float = 0.0  # D's prefill time for it, were it local (the queue not included)
     costs_s: dict[str, float] = field(default_factory=dict)  # what the choice compared
-    reason: str = "cheapest"  # cheapest | explore | near-tie | tail | forced | only (no other route allowed)
+    reason: str = "cheapest"  # cheapest | explore | near-tie | forced | only (no other route allowed)
     residuals: dict[str, float] = field(default_factory=dict)  # the log-ratio corrections in the estimates
     queue_s: dict[str, float] = field(default_factory=dict)  # the queue ahead, in each estimate (not corrected)
 
@@ -170,14 +160,22 @@ class Decision:
                 "costs_ms": {r: round(s * 1e3, 2) for r, s in self.costs_s.items()}}
 
 
+@dataclass
+class Outcome:
+    """What a finished request's answer says (None: not stamped)."""
+
+    ttft_s: float | None
+    p_time_s: float | None
+    d_time_s: float | None  # D's api_received -> first token
+    prompt_tokens: int | None
+    d_cached_tokens: int | None
+
+
 class CostModel:
     def __init__(self, routes: tuple[Route, ...] = tuple(Route), stall_weight: float = STALL_WEIGHT,
                  local_max_s: float = 0.064, near_tie: float = NEAR_TIE, residual_alpha: float = RESIDUAL_ALPHA,
-                 switch_margin: float = SWITCH_MARGIN, tail_share: float = TAIL_SHARE) -> None:
+                 switch_margin: float = SWITCH_MARGIN) -> None:
         self.routes = routes
-        self.tail_share = tail_share
-        self.tail_credit = 0.0  # rescues earned: tail_share per decision, at most TAIL_BURST
-        self.recent_best: deque[float] = deque(maxlen=TAIL_WINDOW)  # cheapest remote estimates, newest last
         self.switch_margin = switch_margin
         self.incumbent: Route | None = Route.PUSH if Route.PUSH in routes else None  # the priors' first
         self.stall_weight = stall_weight
@@ -281,37 +279,12 @@ class CostModel:
         d.estimates_s = {r.value: self.estimate(r, d) for r in allowed}
         self.decisions += 1
         d.costs_s = {r.value: self.cost(r, d) for r in allowed}
-        rescue = self.tail_rescue(allowed, d)
-        explore = None if rescue else self.to_explore(allowed, d.costs_s)
-        tie = None if rescue or explore else self.tied(allowed, d.costs_s)
-        d.route = rescue or explore or tie or self.cheapest(allowed, d.costs_s)
-        d.reason = ("forced" if d.forced else "only" if len(allowed) == 1 else "tail" if rescue
-                    else "explore" if explore else "near-tie" if tie else "cheapest")
+        explore, tie = self.to_explore(allowed, d.costs_s), self.tied(allowed, d.costs_s)
+        d.route = explore or tie or self.cheapest(allowed, d.costs_s)
+        d.reason = ("forced" if d.forced else "only" if len(allowed) == 1 else "explore" if explore
+                    else "near-tie" if tie else "cheapest")
         self.taken_at[d.route] = self.decisions
         return d
-
-    def tail_rescue(self, allowed: tuple[Route, ...], d: Decision) -> Route | None:
-        """Local for a request in the tail: its cheapest remote estimate at least the TAIL_QUANTILE of the
-        last TAIL_WINDOW decisions' and D's local estimate at most TAIL_GAIN of it, while rescues stay
-        within tail_share of decisions (a credit of tail_share per decision, TAIL_BURST at most); else
-        None. The stall it inflicts on D's decoding requests is not charged: the cost weighs every ms
-        of stall alike, while TTFT p99 is set by the few slowest requests and TPOT p50 by the many that
-        a few stalls leave alone (a rescue stalls the requests decoding on D once, by about its
-        prefill). Every decision with a remote route records its cheapest estimate (a forced one too:
-        the tail is the workload's); local must be allowed (local_allowed, D's budget, not forced)."""
-        remote = [d.estimates_s[r.value] for r in allowed if r.remote]
-        if not remote or self.tail_share <= 0:
-            return None
-        best = min(remote)
-        recent = sorted(self.recent_best)
-        self.recent_best.append(best)
-        self.tail_credit = min(self.tail_credit + self.tail_share, TAIL_BURST)
-        if Route.LOCAL not in allowed or len(recent) < TAIL_MIN or self.tail_credit < 1.0:
-            return None
-        if best < recent[int(TAIL_QUANTILE * (len(recent) - 1))] or d.estimates_s["local"] > TAIL_GAIN * best:
-            return None
-        self.tail_credit -= 1.0
-        return Route.LOCAL
 
     def cheapest(self, allowed: tuple[Route, ...], costs: dict[str, float]) -> Route:
         """Local if it is allowed and no remote route is cheaper (the margin plays no part there); else the
@@ -402,3 +375,21 @@ def size_class(d: Decision) -> int:
     """The size class of a request for the residual corrections: the larger of its uncached parts (on P
     or on D) in tokens, to the nearest power of two (128, 512 and 2,048 tokens are two classes apart)."""
     return round(math.log2(max(d.tokens - min(d.p_prefix, d.d_prefix), 1.0)))
+
+
+def outcome(trace: dict | None, prompt: dict | None) -> Outcome:
+    """A finished request's Outcome from its merged kvpush_trace (the proxy's, P's p_-prefixed and D's
+    stamps) and D's kvpush_prompt ({"tokens", "cached_tokens"})."""
+    t = trace if isinstance(trace, dict) else {}
+    p = prompt if isinstance(prompt, dict) else {}
+
+    def span(a: str, b: str) -> float | None:
+        x, y = t.get(a), t.get(b)
+        ok = isinstance(x, (int, float)) and isinstance(y, (int, float)) and y >= x
+        return float(y - x) if ok else None  # type: ignore[operator]
+
+    proxy_part, d_part = span("proxy_received", "d_leg_sent"), span("api_received", "first_token")
+    ttft = proxy_part + d_part if proxy_part is not None and d_part is not None else None
+    tokens, cached = p.get("tokens"), p.get("cached_tokens")
+    return Outcome(ttft, span("p_api_received", "p_prefill_done"), d_part,
+                   tokens if isinstance(tokens, int) else None, cached if isinstance(cached, int) else None)

@@ -18,7 +18,6 @@ from kvpush.server.kv_choice import (
     RESIDUAL_ALPHA,
     STALL_WEIGHT,
     SWITCH_MARGIN,
-    TAIL_SHARE,
     CostModel,
     Decision,
     Route,
@@ -35,9 +34,9 @@ class AutoRouter:
     def __init__(self, stall_weight: float = STALL_WEIGHT, local_max_s: float = 0.064, local_share: float = 1.0,
                  local_window_s: float = 10.0, clock: Callable[[], float] = time.monotonic,
                  near_tie: float = NEAR_TIE, residual_alpha: float = RESIDUAL_ALPHA,
-                 switch_margin: float = SWITCH_MARGIN, tail_share: float = TAIL_SHARE) -> None:
+                 switch_margin: float = SWITCH_MARGIN) -> None:
         self.model = CostModel(stall_weight=stall_weight, local_max_s=local_max_s, near_tie=near_tie,
-                               residual_alpha=residual_alpha, switch_margin=switch_margin, tail_share=tail_share)
+                               residual_alpha=residual_alpha, switch_margin=switch_margin)
         self.budget = LocalBudget(local_share, local_window_s)
         self.clock = clock
         self.trackers: dict[str, PrefixTracker] = {}
