@@ -62,7 +62,7 @@ def add_scheduler_arguments(g: argparse.ArgumentParser | argparse._ArgumentGroup
     g.add_argument("--max-num-batched-tokens", type=int, default=_default(SchedulerConfig, "max_num_batched_tokens"))
     g.add_argument("--no-chunked-prefill", action="store_true")
     g.add_argument("--prefill-join-tokens", type=int, default=_default(SchedulerConfig, "prefill_join_tokens"),
-                   help="a prefill of more tokens than this waits for the next step rather than join a step that "
+                   help="a prefill of more (uncached) tokens than this waits for the next step rather than join a step that "
                         "already computes one (every request of a step ends with it); -1: pack up to "
                         "--max-num-batched-tokens (vLLM); default: by device, 16 on a CPU, no limit on a GPU")
 

@@ -81,7 +81,7 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
-    # A waiting request that would compute more than this many prompt tokens does not join a step that
+    # A waiting request with more than this many prompt tokens to compute (not cached) does not join a step that
     # already computes another prefill: it runs in the next step (engine/scheduler.py). -1: no limit (vLLM's
     # packing up to max_num_batched_tokens); None: by device (engine.py: CPU_PREFILL_JOIN_TOKENS on a CPU,
     # no limit on a GPU).

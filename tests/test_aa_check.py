@@ -48,3 +48,23 @@ def test_twins_of_a_map_are_counted_from_its_own_comparisons(tmp_path: Path, cap
     assert aa_check.twin_check([tmp_path]) == {("tpot_p50", 2): [0, 1], ("ttft_p50", 2): [0, 2], ("ttft_p99", 2): [1, 2]}
     assert aa_check.main([str(tmp_path)]) == 0
     assert "ttft_p99: 1 of 2 twins with 2 run(s) a side (MODE#2 vs MODE" in capsys.readouterr().out
+
+
+def test_subsets_compare_a_twin_with_its_mode_on_every_subset_of_their_repeats(tmp_path: Path, capsys) -> None:
+    """Twin and mode on two prompt sets: equal on the first, 1.5x apart on the second. One run a side:
+    two comparisons, one beyond; both runs a side: one comparison. A run without a seed pairs with nothing."""
+    folder = tmp_path / "runs" / "full"
+    folder.mkdir(parents=True)
+    for mode, slow in (("auto@push", 1.0), ("auto@push#2", 1.5)):
+        for seed, factor in ((0, 1.0), (1, slow)):
+            name = f"{mode.replace('@', '_').replace('#', '_')}-rate1.0-{seed}.json"
+            write_run(folder, name, mode, 7, float(seed), 40.0 * factor)
+            doc = json.loads((folder / name).read_text())
+            doc["run"]["sample_seed"] = seed
+            (folder / name).write_text(json.dumps(doc))
+    write_run(folder, "auto_push_2-rate1.0-x.json", "auto@push#2", 7, 9.0, 40.0)  # no seed: left out
+    found = aa_check.subset_check([tmp_path])
+    assert found[("ttft_p50", 1)] == [1, 2]
+    assert found[("ttft_p50", 2)][1] == 1 and ("ttft_p50", 3) not in found
+    assert aa_check.main([str(tmp_path), "--subsets"]) == 0
+    assert "ttft_p50: 1 of 2 twin comparisons on 1 run(s) a side" in capsys.readouterr().out

@@ -268,7 +268,8 @@ def test_auto_variant_flags_are_parsed_and_bad_names_refused():
         "pack": ["--prefill-join-tokens", "-1", "--auto-stall-weight", "1"]}
     for bad in (["w3"], ["a b=--auto-stall-weight 1"], ["w3=--auto-stall-weight 1", "w3=--auto-stall-weight 2"],
                 ["=--auto-stall-weight 1"], ["w3=--auto-stall-weigth 3"], ["w3=--kv-mode push"],
-                ["w3=--auto-stall-weight -1"], ["j=--prefill-join-tokens x"], ["j=--port 1"]):
+                ["w3=--auto-stall-weight -1"], ["j=--prefill-join-tokens x"], ["j=--port 1"],
+                ["j=--prefill-join-tokens -3"], ["s=--max-num-seqs 0"], ["a=--prefill-join 5"]):
         with pytest.raises(SystemExit):
             cli.parse_variants(ap, bad)
 
@@ -283,6 +284,12 @@ def test_a_variants_scheduler_flags_go_to_its_instances_and_its_auto_flags_to_it
                                                ["--torch-threads", "1", "--prefill-join-tokens", "-1"])
     assert deployment_of(cfg, "auto") == ("auto", ["--auto-stall-weight", "3"], ["--torch-threads", "1"])
     assert deployment_of(cfg, "push") == ("push", [], ["--torch-threads", "1"])
+    from kvpush.bench.suite import split_variant_flags
+
+    assert split_variant_flags(["--auto-stall-weight", "1", "--max-num-seqs", "1", "--no-chunked-prefill",
+                                "--prefill-join-tokens=5", "--auto-local-share=0.5"]) == (
+        ["--auto-stall-weight", "1", "--auto-local-share=0.5"],
+        ["--max-num-seqs", "1", "--no-chunked-prefill", "--prefill-join-tokens=5"])
 
 
 def test_same_processes_runs_every_fixed_mode_as_a_route_on_autos_processes_on_autos_prompts():

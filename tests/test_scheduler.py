@@ -10,7 +10,7 @@ from kvpush.config import SchedulerConfig
 from kvpush.engine.block_manager import BlockManager
 from kvpush.engine.request import Request, RequestStatus
 from kvpush.engine.sampling_params import SamplingParams
-from kvpush.engine.scheduler import Scheduler
+from kvpush.engine.scheduler import Admission, Scheduler
 
 
 def make(num_blocks=64, block_size=4, budget=32, max_seqs=8, chunked=True) -> Scheduler:
@@ -144,3 +144,50 @@ def test_join_limit_minus_one_packs_as_before():
 def test_join_limit_below_minus_one_is_refused():
     with pytest.raises(ValueError, match="prefill-join-tokens"):
         SchedulerConfig(prefill_join_tokens=-2)
+
+
+def test_requests_for_remote_kv_behind_a_waiting_prefill_are_still_parked():
+    """A decode instance: a local prompt that may not join the step stays at the head, but a request
+    behind it whose KV comes from a peer is offered to the admission hook (parking computes nothing and
+    starts its transfer); a local one behind it keeps its place."""
+    s = make_joining(join=4)
+    a, b = add(s, "a", 10), add(s, "b", 20)
+    c = add(s, "c", 6)
+    r = add(s, "r", 30)
+    r.remote_prefill = True
+    offered: list[str] = []
+
+    def admit(req: Request) -> Admission:  # as the decode connector: PARK once, then RUN when its KV landed
+        first = req.request_id not in offered
+        offered.append(req.request_id)
+        return Admission.PARK if req.remote_prefill and first else Admission.RUN
+
+    out = s.schedule(admit)
+    assert out.scheduled == [(a, 10)] and offered == ["a", "b", "r"]
+    assert r.status is RequestStatus.WAITING_FOR_REMOTE_KV and list(s.waiting) == [b, c]
+    s.update(out, {"a": 7})
+    s.resume_remote(r)  # its KV landed: one token to compute, at the front
+    r.num_computed_tokens = r.num_tokens - 1
+    s.block_manager.allocate(r, 1)
+    out = s.schedule(admit)
+    assert out.scheduled == [(a, 1), (r, 1), (b, 20)]  # a 1-token recompute joins; b is the step's prefill
+
+
+def test_a_head_waiting_to_join_counts_one_prefix_lookup():
+    s = make_joining(join=4)
+    add(s, "a", 40)
+    add(s, "b", 20)
+    run_step(s)  # a: 32 of 40 (budget 64: b may not join)
+    run_step(s)
+    run_step(s)
+    assert s.block_manager.num_queries == 2  # a and b once each, though b was looked up in every step
+
+
+def test_by_device_resolves_the_join_limit():
+    import torch
+
+    from kvpush.engine.engine import CPU_PREFILL_JOIN_TOKENS, _by_device
+
+    assert _by_device(SchedulerConfig(), torch.device("cpu")).prefill_join_tokens == CPU_PREFILL_JOIN_TOKENS
+    assert _by_device(SchedulerConfig(), torch.device("cuda")).prefill_join_tokens == -1
+    assert _by_device(SchedulerConfig(prefill_join_tokens=5), torch.device("cuda")).prefill_join_tokens == 5

@@ -24,6 +24,7 @@ from kvpush.bench import cli as bench_cli
 from kvpush.bench.calibrate import CalibrationConfig, calibrate
 from kvpush.bench.modes import parse
 from kvpush.bench.report import compare, format_handover, format_phases, format_table, load_run
+from kvpush.config import SchedulerConfig
 from kvpush.launch import ServerProcess, free_port
 from kvpush.server.up import Deployment
 
@@ -79,16 +80,19 @@ def split_variant_flags(flags: list[str]) -> tuple[list[str], list[str]]:
     the order given. Raises ValueError naming a flag that is neither, or a value a parser refuses."""
     from kvpush.cli import add_auto_arguments, add_scheduler_arguments  # kvpush.cli imports the bench lazily
 
-    parsers = [argparse.ArgumentParser(add_help=False, exit_on_error=False) for _ in range(2)]
+    parsers = [argparse.ArgumentParser(add_help=False, exit_on_error=False, allow_abbrev=False) for _ in range(2)]
     add_auto_arguments(parsers[0])
     add_scheduler_arguments(parsers[1])
     try:
         _, serve = parsers[0].parse_known_args(flags)
-        _, unknown = parsers[1].parse_known_args(serve)
+        values, unknown = parsers[1].parse_known_args(serve)
     except argparse.ArgumentError as exc:
         raise ValueError(str(exc)) from None
     if unknown:
         raise ValueError(f"not a proxy --auto-* flag nor a scheduler flag of `kvpush serve`: {' '.join(unknown)}")
+    if values.max_num_seqs < 1 or values.max_num_batched_tokens < 1:
+        raise ValueError("--max-num-seqs and --max-num-batched-tokens must be at least 1")
+    SchedulerConfig(prefill_join_tokens=values.prefill_join_tokens)  # ValueError: as `kvpush serve` would exit
     left = iter(serve)  # serve is a subsequence of flags: the rest is the proxy's
     want = next(left, None)
     proxy = []

@@ -72,9 +72,13 @@ class BlockManager:
             if block_id is None:
                 break
             hits.append(block_id)
+        return hits
+
+    def count_lookup(self, hits: list[int]) -> None:
+        """Count one request's prefix lookup (the prefix-cache gauges): once, when it is admitted with
+        the hits found, not for each step a request waiting at the head is looked up again."""
         self.num_queries += 1
         self.num_hits += bool(hits)
-        return hits
 
     def find_cached_prefix_tokens(self, token_ids: list[int]) -> list[int]:
         """Block ids of the cached full-block prefix of `token_ids` (all full blocks may hit)."""

@@ -157,15 +157,19 @@ class Scheduler:
                     self.finish(request, RequestStatus.FINISHED_ERROR)
                     out.rejected.append(request)
                 continue
+            looked_up = not request.block_table  # _cached_prefix looks up only a request without KV in place
             cached = self._cached_prefix(request)
             num_new = request.num_tokens - request.num_computed_tokens - len(cached) * self.block_manager.block_size
             if not self.config.enable_chunked_prefill and num_new > budget:
                 break
             if prefilling and not self._may_join(num_new):
+                self._park_behind(out, admit)
                 break
             num_new = min(num_new, budget)
             if not self.block_manager.allocate(request, num_new, cached):
                 break
+            if looked_up:
+                self.block_manager.count_lookup(cached)
             self.waiting.popleft()
             if cached:
                 request.num_computed_tokens = len(cached) * self.block_manager.block_size
@@ -175,6 +179,25 @@ class Scheduler:
             out.scheduled.append((request, num_new))
             budget -= num_new
             prefilling = prefilling or num_new > 1
+
+    def _park_behind(self, out: SchedulerOutput, admit: AdmissionHook | None) -> None:
+        """The head waits for the next step (it may not join this one): requests behind it whose KV
+        comes from a peer are still offered to the admission hook, since parking computes nothing and
+        starts their transfer (a push registration, a pull READ) a step sooner; the others keep their
+        order behind the head. Stops where the hook says WAIT."""
+        if admit is None:
+            return
+        for request in [r for r in list(self.waiting)[1:] if r.remote_prefill]:
+            decision = admit(request)
+            if decision is Admission.WAIT:
+                return
+            if decision is Admission.PARK:
+                self.waiting.remove(request)
+                self.park_remote(request)
+            elif decision is Admission.REJECT:
+                self.waiting.remove(request)
+                self.finish(request, RequestStatus.FINISHED_ERROR)
+                out.rejected.append(request)
 
     def _may_join(self, num_new: int) -> bool:
         """Whether a prefill of num_new tokens joins a step that already computes another prefill."""
