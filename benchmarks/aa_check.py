@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kvpush.bench.modes import base, is_twin  # noqa: E402
 from kvpush.bench.regime import _ratio  # noqa: E402
-from kvpush.bench.regime_report import aa_tally  # noqa: E402
+from kvpush.bench.regime_report import aa_tally, tally_verdict  # noqa: E402
 from kvpush.bench.report import _prompt_set  # noqa: E402
 from kvpush.bench.stats import p50, p99  # noqa: E402
 
@@ -101,9 +101,7 @@ def subset_check(result_dirs: list[Path]) -> dict[tuple[str, int], list[int]]:
                     for name, metric, stat in CHECKS:
                         r = _ratio([a for a, _ in combo], [b for _, b in combo], metric, stat, "twin", "mode")
                         if r is not None:
-                            count = out.setdefault((name, k), [0, 0])
-                            count[0] += r["verdict"] != "cannot tell"
-                            count[1] += 1
+                            tally_verdict(out, (name, k), r)
     return dict(sorted(out.items()))
 
 

@@ -71,26 +71,28 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     if args.torch_threads is None:
         cpus = getattr(args, "cpus", None)
         args.torch_threads = len(_cpus(cpus)) if cpus else torch_threads_default()
-    _positive(args, "block_size", "max_num_seqs", "max_num_batched_tokens", "torch_threads", "kv_cache_memory_mb")
+    _positive(args, "block_size", "torch_threads", "kv_cache_memory_mb")
     if args.num_blocks is not None and args.num_blocks < 1:
         raise SystemExit("kvpush: --num-blocks must be at least 1")
     _check_device(args.device)
+    try:
+        scheduler = scheduler_config_from_args(args)
+    except ValueError as exc:
+        raise SystemExit(f"kvpush: {exc}") from None
     return EngineConfig(
         model=ModelConfig(args.model, args.dtype, args.device, args.max_model_len),
         cache=CacheConfig(args.block_size, args.num_blocks, args.kv_cache_memory_mb, not args.no_prefix_caching),
-        scheduler=_scheduler_config(args),
+        scheduler=scheduler,
         torch_threads=args.torch_threads,
         seed=args.seed,
         compile=CompileMode(args.compile),
     )
 
 
-def _scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
-    try:
-        return SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, not args.no_chunked_prefill,
-                               args.prefill_join_tokens)
-    except ValueError as exc:
-        raise SystemExit(f"kvpush: {exc}") from None
+def scheduler_config_from_args(args: argparse.Namespace) -> SchedulerConfig:
+    """The flags of add_scheduler_arguments as a SchedulerConfig; ValueError on a value it refuses."""
+    return SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, not args.no_chunked_prefill,
+                           args.prefill_join_tokens)
 
 
 def _check_device(name: str) -> None:

@@ -88,6 +88,9 @@ class SchedulerConfig:
     prefill_join_tokens: int | None = None
 
     def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
         if self.prefill_join_tokens is not None and self.prefill_join_tokens < -1:
             raise ValueError("--prefill-join-tokens must be -1 (no limit) or at least 0")
 

@@ -161,10 +161,15 @@ def aa_tally(cells: list[dict], out: dict[tuple[str, int], list[int]] | None = N
         for ratios in (c.get("aa") or {}).values():
             for key in LABELS:
                 if isinstance(r := ratios.get(key), dict):
-                    count = out.setdefault((key, int(r.get("runs") or 0)), [0, 0])
-                    count[0] += r["verdict"] != "cannot tell"
-                    count[1] += 1
+                    tally_verdict(out, (key, int(r.get("runs") or 0)), r)
     return out
+
+
+def tally_verdict(out: dict[tuple[str, int], list[int]], key: tuple[str, int], ratio: dict) -> None:
+    """Count one A/A ratio under `key`: [beyond the interval, compared]."""
+    count = out.setdefault(key, [0, 0])
+    count[0] += ratio["verdict"] != "cannot tell"
+    count[1] += 1
 
 
 def aa_lines(cells: list[dict]) -> list[str]:

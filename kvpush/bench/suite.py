@@ -24,7 +24,6 @@ from kvpush.bench import cli as bench_cli
 from kvpush.bench.calibrate import CalibrationConfig, calibrate
 from kvpush.bench.modes import parse
 from kvpush.bench.report import compare, format_handover, format_phases, format_table, load_run
-from kvpush.config import SchedulerConfig
 from kvpush.launch import ServerProcess, free_port
 from kvpush.server.up import Deployment
 
@@ -77,30 +76,24 @@ def is_auto(mode: str) -> bool:
 
 def split_variant_flags(flags: list[str]) -> tuple[list[str], list[str]]:
     """An auto variant's flags -> (the proxy's --auto-* flags, the instances' scheduler flags), each in
-    the order given. Raises ValueError naming a flag that is neither, or a value a parser refuses."""
-    from kvpush.cli import add_auto_arguments, add_scheduler_arguments  # kvpush.cli imports the bench lazily
+    the order given. Raises ValueError naming a flag that is neither, or a value a parser or
+    SchedulerConfig refuses (as `kvpush serve` would at start)."""
+    # lazily: kvpush.cli imports the bench
+    from kvpush.cli import add_auto_arguments, add_scheduler_arguments, scheduler_config_from_args
 
-    parsers = [argparse.ArgumentParser(add_help=False, exit_on_error=False, allow_abbrev=False) for _ in range(2)]
-    add_auto_arguments(parsers[0])
-    add_scheduler_arguments(parsers[1])
-    try:
-        _, serve = parsers[0].parse_known_args(flags)
-        values, unknown = parsers[1].parse_known_args(serve)
+    proxy_parser, serve_parser = (argparse.ArgumentParser(add_help=False, exit_on_error=False, allow_abbrev=False)
+                                  for _ in range(2))
+    add_auto_arguments(proxy_parser)
+    add_scheduler_arguments(serve_parser)
+    try:  # each parser leaves the other's flags, with their values, in the order given
+        _, serve = proxy_parser.parse_known_args(flags)
+        values, proxy = serve_parser.parse_known_args(flags)
+        _, unknown = serve_parser.parse_known_args(serve)
     except argparse.ArgumentError as exc:
         raise ValueError(str(exc)) from None
     if unknown:
         raise ValueError(f"not a proxy --auto-* flag nor a scheduler flag of `kvpush serve`: {' '.join(unknown)}")
-    if values.max_num_seqs < 1 or values.max_num_batched_tokens < 1:
-        raise ValueError("--max-num-seqs and --max-num-batched-tokens must be at least 1")
-    SchedulerConfig(prefill_join_tokens=values.prefill_join_tokens)  # ValueError: as `kvpush serve` would exit
-    left = iter(serve)  # serve is a subsequence of flags: the rest is the proxy's
-    want = next(left, None)
-    proxy = []
-    for f in flags:
-        if f == want:
-            want = next(left, None)
-        else:
-            proxy.append(f)
+    scheduler_config_from_args(values)
     return proxy, serve
 
 

@@ -8,7 +8,7 @@ is preempted: its blocks are freed and it is recomputed later from scratch.
 
 Prefills join a step one at a time (`prefill_join_tokens`): a waiting request that would compute
 more than that many tokens does not join a step that already computes a prefill, and nothing behind
-it is admitted. Where a step's time grows with its tokens (a CPU), packing two prefills into one
+it is admitted but requests whose KV comes from a peer (parking them computes nothing). Where a step's time grows with its tokens (a CPU), packing two prefills into one
 step delays the first by the second's whole prefill and speeds neither: every request in the step
 ends when the step does. Small joins (a request whose KV arrived from a peer recomputes one token)
 cost the others little and save a step.
@@ -150,12 +150,7 @@ class Scheduler:
             if decision is Admission.WAIT:
                 break
             if decision is not Admission.RUN:
-                self.waiting.popleft()
-                if decision is Admission.PARK:
-                    self.park_remote(request)
-                else:
-                    self.finish(request, RequestStatus.FINISHED_ERROR)
-                    out.rejected.append(request)
+                self._settle(request, decision, out)
                 continue
             looked_up = not request.block_table  # _cached_prefix looks up only a request without KV in place
             cached = self._cached_prefix(request)
@@ -191,13 +186,17 @@ class Scheduler:
             decision = admit(request)
             if decision is Admission.WAIT:
                 return
-            if decision is Admission.PARK:
-                self.waiting.remove(request)
-                self.park_remote(request)
-            elif decision is Admission.REJECT:
-                self.waiting.remove(request)
-                self.finish(request, RequestStatus.FINISHED_ERROR)
-                out.rejected.append(request)
+            if decision is not Admission.RUN:
+                self._settle(request, decision, out)
+
+    def _settle(self, request: Request, decision: Admission, out: SchedulerOutput) -> None:
+        """A waiting request the admission hook parked (PARK: its KV comes from a peer) or refused (REJECT)."""
+        self.waiting.remove(request)
+        if decision is Admission.PARK:
+            self.park_remote(request)
+        else:
+            self.finish(request, RequestStatus.FINISHED_ERROR)
+            out.rejected.append(request)
 
     def _may_join(self, num_new: int) -> bool:
         """Whether a prefill of num_new tokens joins a step that already computes another prefill."""
