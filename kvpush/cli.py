@@ -65,6 +65,11 @@ def add_scheduler_arguments(g: argparse.ArgumentParser | argparse._ArgumentGroup
                    help="a prefill of more (uncached) tokens than this waits for the next step rather than join a step that "
                         "already computes one (every request of a step ends with it); -1: pack up to "
                         "--max-num-batched-tokens (vLLM); default: by device, 16 on a CPU, no limit on a GPU")
+    g.add_argument("--long-prefill-token-threshold", type=int,
+                   default=_default(SchedulerConfig, "long_prefill_token_threshold"),
+                   help="a prefill computes at most this many tokens a step (chunks), so that requests decoding beside "
+                        "it wait one chunk, not the whole prefill; 0: off; default: by role, "
+                        "256 on a decode instance on a CPU (local prefills of --kv-mode auto, recomputes), off elsewhere")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -92,7 +97,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 def scheduler_config_from_args(args: argparse.Namespace) -> SchedulerConfig:
     """The flags of add_scheduler_arguments as a SchedulerConfig; ValueError on a value it refuses."""
     return SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, not args.no_chunked_prefill,
-                           args.prefill_join_tokens)
+                           args.prefill_join_tokens, args.long_prefill_token_threshold)
 
 
 def _check_device(name: str) -> None:

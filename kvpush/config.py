@@ -86,6 +86,11 @@ class SchedulerConfig:
     # packing up to max_num_batched_tokens); None: by device (engine.py: CPU_PREFILL_JOIN_TOKENS on a CPU,
     # no limit on a GPU).
     prefill_join_tokens: int | None = None
+    # A prefill computes at most this many tokens a step (vLLM's name): a long prompt runs in chunks, so that the
+    # requests decoding beside it, and those whose KV lands meanwhile, wait at most one chunk instead of the whole
+    # prefill. 0: off; None: by role (engine.py: CPU_LONG_PREFILL_TOKENS on a decode instance on a CPU, where local
+    # prefills of --kv-mode auto and recomputes after preemption run among decodes; off elsewhere, as in vLLM).
+    long_prefill_token_threshold: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
@@ -93,6 +98,10 @@ class SchedulerConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
         if self.prefill_join_tokens is not None and self.prefill_join_tokens < -1:
             raise ValueError("--prefill-join-tokens must be -1 (no limit) or at least 0")
+        if self.long_prefill_token_threshold is not None and self.long_prefill_token_threshold < 0:
+            raise ValueError("--long-prefill-token-threshold must be 0 (off) or at least 1")
+        if self.long_prefill_token_threshold and not self.enable_chunked_prefill:
+            raise ValueError("--long-prefill-token-threshold chunks prefills: it cannot go with --no-chunked-prefill")
 
 
 @dataclass(frozen=True)

@@ -58,3 +58,10 @@ def test_serve_takes_the_prefill_join_limit() -> None:
     assert config("--prefill-join-tokens", "64").prefill_join_tokens == 64
     with pytest.raises(SystemExit, match="prefill-join-tokens"):
         config("--prefill-join-tokens", "-3")
+    assert config().long_prefill_token_threshold is None  # by role (the engine resolves it)
+    assert config("--long-prefill-token-threshold", "0").long_prefill_token_threshold == 0
+    assert config("--long-prefill-token-threshold", "128").long_prefill_token_threshold == 128
+    with pytest.raises(SystemExit, match="long-prefill-token-threshold"):
+        config("--long-prefill-token-threshold", "-1")
+    with pytest.raises(SystemExit, match="no-chunked-prefill"):
+        config("--long-prefill-token-threshold", "64", "--no-chunked-prefill")

@@ -2,7 +2,7 @@
 on the same auto instances answers byte for byte as the colocated engine, streamed or not; the
 proxy's own choices too, over multi-turn prompts whose prefixes D already holds; the answer says which
 route was taken and why, the proxy counts the choices and how far its estimates were off, and no
-block or transfer is left over. With no prefill instance left, auto serves from D alone."""
+block or transfer is left over. D prefills local prompts in chunks of 5 tokens (parity holds chunked). With no prefill instance left, auto serves from D alone."""
 
 from __future__ import annotations
 
@@ -46,7 +46,9 @@ def greedy(prompt: list[int], stream: bool = False) -> dict:
 @pytest.fixture(scope="module")
 def auto(tiny_model, tmp_path_factory):
     limits = ("--kv-lease-s", "15", "--kv-timeout-s", "15", "--kv-quarantine-s", "2")
-    c = Cluster(tiny_model, "auto", tmp_path_factory.mktemp("auto"), extra_prefill=limits, extra_decode=limits)
+    chunks = ("--long-prefill-token-threshold", "5")  # D prefills local prompts in chunks between its decodes
+    c = Cluster(tiny_model, "auto", tmp_path_factory.mktemp("auto"), extra_prefill=limits,
+                extra_decode=limits + chunks)
     try:
         c.wait()
         yield c, c.proxy()

@@ -26,11 +26,12 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 
 def engine(model: str, num_blocks: int = 128, block_size: int = 4, budget: int = 512, chunked: bool = True,
-           prefix: bool = True, max_seqs: int = 32, device: str = "cpu", join: int | None = None) -> LLMEngine:
+           prefix: bool = True, max_seqs: int = 32, device: str = "cpu", join: int | None = None,
+           long_prefill: int | None = None) -> LLMEngine:
     return LLMEngine(EngineConfig(
         model=ModelConfig(model, device=device),
         cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=prefix),
-        scheduler=SchedulerConfig(max_seqs, budget, chunked, join)))
+        scheduler=SchedulerConfig(max_seqs, budget, chunked, join, long_prefill)))
 
 
 def generate(eng: LLMEngine, prompts: list[list[int]], params: SamplingParams = GREEDY) -> list[list[int]]:
@@ -106,6 +107,30 @@ def test_prefills_packed_or_one_at_a_time_give_the_same_tokens(tiny_model, devic
     packed, serial = engine(tiny_model, join=-1, device=device), engine(tiny_model, join=0, device=device)
     assert generate(packed, ps) == generate(serial, ps)
     assert serial.step_count > packed.step_count  # the prefills ran in steps of their own
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_long_prefills_in_chunks_beside_decodes_give_the_same_tokens(tiny_model, device):
+    """Prompts arriving while others decode, prefilled in chunks of 7 tokens (steps decode the others
+    in between), answer as with whole prefills."""
+    ps = prompts(1000, (30, 45, 9, 20))
+
+    def staggered(eng: LLMEngine) -> list[list[int]]:
+        outs: dict[str, list[int]] = {f"s{i}": [] for i in range(len(ps))}
+        for i, p in enumerate(ps):
+            eng.add_request(f"s{i}", p, GREEDY)
+            for _ in range(3 if i == 1 else 0):  # the others arrive while the first two run
+                for o in eng.step():
+                    outs[o.request_id].extend(o.new_token_ids)
+        while eng.has_unfinished():
+            for o in eng.step():
+                outs[o.request_id].extend(o.new_token_ids)
+        return list(outs.values())
+
+    whole, chunks = engine(tiny_model, device=device), engine(tiny_model, device=device, long_prefill=7)
+    assert chunks.scheduler.chunk_limit == 7 and whole.scheduler.chunk_limit == 0  # colocated: off by default
+    assert staggered(whole) == staggered(chunks)
+    assert chunks.step_count > whole.step_count
 
 
 def test_prefill_join_limit_by_device(tiny_model):

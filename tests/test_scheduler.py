@@ -191,3 +191,58 @@ def test_by_device_resolves_the_join_limit():
     assert _by_device(SchedulerConfig(), torch.device("cpu")).prefill_join_tokens == CPU_PREFILL_JOIN_TOKENS
     assert _by_device(SchedulerConfig(), torch.device("cuda")).prefill_join_tokens == -1
     assert _by_device(SchedulerConfig(prefill_join_tokens=5), torch.device("cuda")).prefill_join_tokens == 5
+
+
+def make_chunking(limit: int, join: int = 4, budget: int = 64) -> Scheduler:
+    return Scheduler(SchedulerConfig(8, budget, True, join, limit), BlockManager(64, 4), max_model_len=1024)
+
+
+def test_a_long_prefill_runs_in_chunks_beside_the_decodes():
+    """Each step computes at most chunk_limit of the prompt; the decoding request gets a token after every
+    chunk instead of waiting for the whole prefill; a prefill behind it does not join (one at a time)."""
+    s = make_chunking(limit=8)
+    d = add(s, "d", 4, max_tokens=20)
+    run_step(s)
+    a, b = add(s, "a", 30), add(s, "b", 6)
+    steps = [run_step(s).scheduled for _ in range(4)]
+    assert steps == [[(d, 1), (a, 8)], [(d, 1), (a, 8)], [(d, 1), (a, 8)], [(d, 1), (a, 6)]]
+    assert len(d.output_token_ids) == 5 and a.output_token_ids == [7] and b.num_computed_tokens == 0
+    assert run_step(s).scheduled == [(d, 1), (a, 1), (b, 6)]
+
+
+def test_a_request_whose_kv_landed_joins_between_chunks():
+    s = make_chunking(limit=8)
+    a = add(s, "a", 30)
+    run_step(s)
+    r = Request("r", list(range(40)), SamplingParams(max_tokens=4))
+    r.remote_prefill = True
+    s.add(r)
+    s.waiting.remove(r)
+    s.park_remote(r)
+    s.block_manager.allocate(r, r.num_tokens)
+    r.num_computed_tokens = r.num_tokens - 1  # its KV landed from a peer: one token to compute
+    s.resume_remote(r)
+    assert run_step(s).scheduled == [(a, 8), (r, 1)]
+
+
+def test_chunk_limit_off_and_refused_values():
+    assert make_chunking(limit=0).chunk_limit == 0 and make(budget=64).chunk_limit == 0  # None alone: off
+    with pytest.raises(ValueError, match="long-prefill-token-threshold"):
+        SchedulerConfig(long_prefill_token_threshold=-1)
+    with pytest.raises(ValueError, match="no-chunked-prefill"):
+        SchedulerConfig(enable_chunked_prefill=False, long_prefill_token_threshold=64)
+    SchedulerConfig(enable_chunked_prefill=False, long_prefill_token_threshold=0)  # off goes with anything
+
+
+def test_the_engine_chunks_long_prefills_by_default_only_on_a_cpu_decode_instance():
+    import torch
+
+    from kvpush.engine.engine import CPU_LONG_PREFILL_TOKENS, _long_prefill_limit
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert _long_prefill_limit(SchedulerConfig(), cpu, decodes=True) == CPU_LONG_PREFILL_TOKENS
+    assert _long_prefill_limit(SchedulerConfig(), cpu, decodes=False) == 0  # colocated, prefill: vLLM's default
+    assert _long_prefill_limit(SchedulerConfig(), cuda, decodes=True) == 0
+    assert _long_prefill_limit(SchedulerConfig(long_prefill_token_threshold=0), cpu, decodes=True) == 0
+    assert _long_prefill_limit(SchedulerConfig(long_prefill_token_threshold=64), cuda, decodes=False) == 64
+    assert _long_prefill_limit(SchedulerConfig(enable_chunked_prefill=False), cpu, decodes=True) == 0

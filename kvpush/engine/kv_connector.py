@@ -93,6 +93,9 @@ class EngineHooks:
 
 class KVConnector(ABC):
     hooks: EngineHooks
+    # True for a decode instance's connector (KV arrives from a peer while this engine decodes): its engine
+    # chunks long prefills by default (engine._long_prefill_limit).
+    decodes: bool = False
 
     def attach(self, hooks: EngineHooks) -> None:
         """Called once by the engine's constructor, before any request."""

@@ -13,6 +13,11 @@ step delays the first by the second's whole prefill and speeds neither: every re
 ends when the step does. Small joins (a request whose KV arrived from a peer recomputes one token)
 cost the others little and save a step.
 
+A long prefill runs in chunks (`long_prefill_token_threshold`, the scheduler's `chunk_limit`): at
+most that many of one request's prompt tokens a step, so the requests decoding beside it get a token
+after each chunk and a request whose KV landed joins the next one, instead of both waiting for the
+whole prefill (a decode instance that prefills a prompt itself).
+
 No I/O and no tensor work: this module is plain Python.
 """
 
@@ -63,6 +68,8 @@ class Scheduler:
         self.config = config
         # None (by device) is resolved by the engine; a scheduler built alone packs as vLLM does
         self.join_limit = -1 if config.prefill_join_tokens is None else config.prefill_join_tokens
+        # None (by role) is resolved by the engine once it knows its connector; alone: off
+        self.chunk_limit = config.long_prefill_token_threshold or 0
         self.block_manager = block_manager
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
@@ -130,7 +137,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = self._chunk(min(request.num_tokens - request.num_computed_tokens, budget))
             while not self.block_manager.allocate(request, num_new):
                 victim = self.running[-1]
                 self._preempt(victim, out)
@@ -157,10 +164,10 @@ class Scheduler:
             num_new = request.num_tokens - request.num_computed_tokens - len(cached) * self.block_manager.block_size
             if not self.config.enable_chunked_prefill and num_new > budget:
                 break
-            if prefilling and not self._may_join(num_new):
+            if prefilling and not self._may_join(self._chunk(num_new)):
                 self._park_behind(out, admit)
                 break
-            num_new = min(num_new, budget)
+            num_new = self._chunk(min(num_new, budget))
             if not self.block_manager.allocate(request, num_new, cached):
                 break
             if looked_up:
@@ -197,6 +204,10 @@ class Scheduler:
         else:
             self.finish(request, RequestStatus.FINISHED_ERROR)
             out.rejected.append(request)
+
+    def _chunk(self, num_new: int) -> int:
+        """The tokens of a prefill of num_new that one step computes (chunk_limit; 0: all)."""
+        return min(num_new, self.chunk_limit) if self.chunk_limit > 0 else num_new
 
     def _may_join(self, num_new: int) -> bool:
         """Whether a prefill of num_new tokens joins a step that already computes another prefill."""

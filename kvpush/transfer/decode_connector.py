@@ -56,6 +56,8 @@ class DecodeState:
 
 
 class DecodeConnector(RuntimeConnector):
+    decodes = True
+
     def __init__(self, runtime: TransferRuntime, config: TransferConfig) -> None:
         super().__init__(runtime, config)
         self.fallbacks = 0
