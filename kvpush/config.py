@@ -251,7 +251,8 @@ class ProxyConfig:
     # time as 3 ms of TTFT; with it the mixed workload's TPOT was within 5% of the fixed modes' and its
     # TTFT p99 >= 20% better in auto_mixed14w3q8, while a side-by-side run could not tell 3 from 1: README)
     auto_stall_weight: float = 3.0
-    # --kv-mode auto: D prefills locally only what it can prefill in this long (a tail guard), unless
+    # --kv-mode auto: D prefills locally only what it can prefill in this long (a tail guard: that much of
+    # D's time taken from its decoding requests, chunked or not), unless
     # P's queue would hold the request at least as long as D's local queue and prefill (a burst at P)
     auto_local_max_ms: float = 64.0
     # --kv-mode auto: the share of each D's time its local prefills may take (a token bucket

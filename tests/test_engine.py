@@ -133,6 +133,31 @@ def test_long_prefills_in_chunks_beside_decodes_give_the_same_tokens(tiny_model,
     assert chunks.step_count > whole.step_count
 
 
+def test_a_decode_instance_chunks_long_prefills_by_default(tiny_model):
+    from kvpush.engine.engine import CPU_LONG_PREFILL_TOKENS
+    from kvpush.engine.kv_connector import KVConnector
+    from kvpush.transfer.decode_connector import DecodeConnector
+    from kvpush.transfer.prefill_connector import PrefillConnector
+
+    class Decoding(KVConnector):  # the role is all the engine asks of it here
+        decodes = True
+
+        def on_add(self, request, params) -> None:
+            return None
+
+        def poll(self) -> list:
+            return []
+
+    assert DecodeConnector.decodes and not PrefillConnector.decodes
+    eng = engine(tiny_model)
+    assert eng.scheduler.chunk_limit == 0  # colocated: off (vLLM's default)
+    eng.set_connector(Decoding())
+    assert eng.scheduler.chunk_limit == CPU_LONG_PREFILL_TOKENS
+    explicit = engine(tiny_model, long_prefill=0)
+    explicit.set_connector(Decoding())
+    assert explicit.scheduler.chunk_limit == 0
+
+
 def test_prefill_join_limit_by_device(tiny_model):
     assert engine(tiny_model).scheduler.join_limit == CPU_PREFILL_JOIN_TOKENS
     assert engine(tiny_model, join=-1).scheduler.join_limit == -1

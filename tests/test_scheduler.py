@@ -210,6 +210,18 @@ def test_a_long_prefill_runs_in_chunks_beside_the_decodes():
     assert run_step(s).scheduled == [(d, 1), (a, 1), (b, 6)]
 
 
+def test_a_chunked_prefill_is_still_one_prefill_at_a_time_and_holds_all_its_blocks():
+    """Chunks smaller than the join limit do not let a long prompt join a step that computes another
+    prefill (the rule looks at the whole prompt); admission takes the blocks of every chunk at once."""
+    s = make_chunking(limit=4, join=16)
+    a, b = add(s, "a", 40), add(s, "b", 30)
+    out = run_step(s)
+    assert out.scheduled == [(a, 4)] and len(a.block_table) == 10  # 40 tokens in blocks of 4
+    for _ in range(9):
+        assert [r for r, _ in run_step(s).scheduled] == [a]  # b waits for a's last chunk
+    assert a.output_token_ids == [7] and run_step(s).scheduled == [(a, 1), (b, 4)]
+
+
 def test_a_request_whose_kv_landed_joins_between_chunks():
     s = make_chunking(limit=8)
     a = add(s, "a", 30)

@@ -16,7 +16,10 @@ cost the others little and save a step.
 A long prefill runs in chunks (`long_prefill_token_threshold`, the scheduler's `chunk_limit`): at
 most that many of one request's prompt tokens a step, so the requests decoding beside it get a token
 after each chunk and a request whose KV landed joins the next one, instead of both waiting for the
-whole prefill (a decode instance that prefills a prompt itself).
+whole prefill (a decode instance that prefills a prompt itself). The join rule looks at the whole
+uncached prompt, not its first chunk (a chunked prefill is still one prefill at a time), and admission
+takes the blocks of all its chunks up to the step's budget at once, so that requests parked for KV
+between its chunks cannot leave it short of blocks halfway.
 
 No I/O and no tensor work: this module is plain Python.
 """
@@ -164,12 +167,13 @@ class Scheduler:
             num_new = request.num_tokens - request.num_computed_tokens - len(cached) * self.block_manager.block_size
             if not self.config.enable_chunked_prefill and num_new > budget:
                 break
-            if prefilling and not self._may_join(self._chunk(num_new)):
+            if prefilling and not self._may_join(num_new):
                 self._park_behind(out, admit)
                 break
-            num_new = self._chunk(min(num_new, budget))
-            if not self.block_manager.allocate(request, num_new, cached):
+            num_new = min(num_new, budget)
+            if not self.block_manager.allocate(request, num_new, cached):  # blocks for every chunk of this step's budget
                 break
+            num_new = self._chunk(num_new)
             if looked_up:
                 self.block_manager.count_lookup(cached)
             self.waiting.popleft()

@@ -15,7 +15,8 @@ Signals (all free for the proxy; no extra round trip):
     p_waiting   how many requests those are (the one P is prefilling included)
     d_queue     prompt tokens D still has to prefill for local requests dispatched before this one
     d_running   requests decoding on D: in flight there, less those whose prefill is still pending
-                (queued or running on P, or queued on D): a local prefill stalls each of them once.
+                (queued or running on P, or queued on D): a local prefill stalls each of them (once, or once
+                per chunk: the same prefill time, plus a step's fixed cost per chunk).
                 Requests waiting for their KV are not stalled by it (they wait on P), and in a burst
                 at P they are many: counting them would keep D's prefill out exactly when it helps
 Learned fits, from every finished request's trace (decayed least squares):
@@ -57,7 +58,9 @@ Estimates and costs (seconds):
     local:     local(d_queue + tokens - d_prefix); its cost adds the stall it inflicts on D's running
                requests: local(tokens - d_prefix) x d_running x stall_weight. Local is not considered
                at all when that prefill would take longer than local_max_s (--auto-local-max-ms): the
-               tail guard, as a prefill that long also delays whoever arrives at D meanwhile - unless
+               tail guard, as a prefill that long takes that much of D's time from its decoding requests
+               and from the local requests queued behind it (in chunks on a CPU D, a landed KV waits
+               one chunk, not the whole prefill) - unless
                P's queue alone would hold the request at least as long as D's local queue and its
                prefill would (a burst at P); nor when D's local budget is spent (--auto-local-share:
                a token bucket per D of the prefill time local requests may take, kv_fit.LocalBudget,
