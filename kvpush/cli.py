@@ -224,7 +224,7 @@ def add_proxy_arguments(p: argparse.ArgumentParser) -> None:
 
 
 AUTO_FLAGS = ("auto_stall_weight", "auto_local_max_ms", "auto_local_share", "auto_local_window_s", "auto_near_tie",
-             "auto_residual_alpha", "auto_switch_margin")
+             "auto_residual_alpha", "auto_switch_margin", "auto_busy_period")
 
 
 def add_auto_arguments(p: argparse.ArgumentParser) -> None:
@@ -250,6 +250,9 @@ def add_auto_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--auto-switch-margin", type=non_negative_float, default=_default(ProxyConfig, "auto_switch_margin"),
                    help="--kv-mode auto: another remote route replaces the one last chosen only when its cost is "
                         "lower by more than this fraction (0: the cheapest always)")
+    p.add_argument("--auto-busy-period", action="store_true",
+                   help="--kv-mode auto: count the delay a prefill on P causes the requests behind it 1 / (1 - P's "
+                        "busy fraction) times, for the rest of P's busy period (default: once)")
 
 
 def cmd_proxy(args: argparse.Namespace) -> int:
@@ -267,7 +270,8 @@ def cmd_proxy(args: argparse.Namespace) -> int:
                          probe_interval_s=args.probe_interval_s, auto_stall_weight=args.auto_stall_weight,
                          auto_local_max_ms=args.auto_local_max_ms, auto_local_share=args.auto_local_share,
                          auto_local_window_s=args.auto_local_window_s, auto_near_tie=args.auto_near_tie,
-                         auto_residual_alpha=args.auto_residual_alpha, auto_switch_margin=args.auto_switch_margin)
+                         auto_residual_alpha=args.auto_residual_alpha, auto_switch_margin=args.auto_switch_margin,
+                         auto_busy_period=args.auto_busy_period)
     asyncio.run(serve_proxy(config))
     return 0
 
@@ -281,7 +285,8 @@ def cmd_up(args: argparse.Namespace, serve_args: list[str]) -> int:
         raise SystemExit("kvpush up: --link-gbps must be positive")
     proxy_args = ["--first-token", args.first_token, "--policy", args.policy]
     for name in AUTO_FLAGS:  # kvpush's proxy takes them in every mode (vllm-router gets --policy only)
-        proxy_args += [f"--{name.replace('_', '-')}", repr(getattr(args, name))]
+        value, flag = getattr(args, name), f"--{name.replace('_', '-')}"
+        proxy_args += ([flag] if value else []) if isinstance(value, bool) else [flag, repr(value)]
     if args.pin and "--cpus" in serve_args:
         raise SystemExit("kvpush up: --pin chooses each instance's --cpus; give one or the other")
     try:

@@ -272,6 +272,10 @@ class ProxyConfig:
     # log(measured / fitted TTFT, the queue ahead left out) per size class of the uncached prompt,
     # kv_fit.Residuals); 0: off
     auto_residual_alpha: float = 0.2
+    # --kv-mode auto: the delay a remote route's prefill causes the requests behind it at P counts each one
+    # 1 / (1 - P's busy fraction) times (the rest of P's busy period waits too; kv_choice.CostModel.busy_factor);
+    # off: once each (the default, with which the grid's 36 cells were measured)
+    auto_busy_period: bool = False
 
 
 def env_str(name: str, default: str | None = None) -> str | None:

@@ -8,6 +8,7 @@ import math
 import pytest
 
 from kvpush.server.kv_choice import (
+    BUSY_MAX,
     EXPLORE_EVERY,
     EXPLORE_EVERY_LATER,
     STALE_AFTER,
@@ -19,7 +20,7 @@ from kvpush.server.kv_choice import (
     Route,
     outcome,
 )
-from kvpush.server.kv_fit import LocalBudget, RouteFit
+from kvpush.server.kv_fit import BusyMeter, LocalBudget, RouteFit
 from kvpush.server.kv_prefix import PrefixTracker, PromptKey
 from kvpush.server.kv_router import AutoRouter
 
@@ -481,6 +482,57 @@ def test_requests_waiting_at_p_tip_a_short_prompt_to_local():
     three.p_waiting = 3
     assert m.choose(three).route is Route.LOCAL, three.costs_s
     assert three.costs_s["push"] - three.estimates_s["push"] == pytest.approx(3 * m.p_time(Route.PUSH, three, 0.0))
+
+
+def test_busy_meter_averages_the_busy_state_over_its_window():
+    b = BusyMeter(window_s=10.0)
+    assert b.fraction("p", 0.0) == 0.0
+    b.set("p", True, 0.0)
+    assert b.fraction("p", 10.0) == pytest.approx(1 - math.exp(-1))
+    b.set("p", False, 10.0)
+    assert b.fraction("p", 20.0) == pytest.approx((1 - math.exp(-1)) * math.exp(-1))
+    for t in range(100):  # busy half the time, in 1-s turns: about 0.5
+        b.set("q", t % 2 == 0, 100.0 + t)
+    assert b.fraction("q", 200.0) == pytest.approx(0.5, abs=0.05)
+    assert b.fraction("other", 5.0) == 0.0
+
+
+def test_with_busy_period_the_delay_to_those_behind_at_p_grows_with_ps_busy_fraction():
+    """The charge for the requests left behind at P is multiplied by 1 / (1 - P's busy fraction), capped at
+    BUSY_MAX; off (the default) it is not; with nobody waiting there is nothing to multiply."""
+    on, off = trained(stall_weight=3.0), trained(stall_weight=3.0)
+    on.busy_period = True
+    for busy, factor in ((0.0, 1.0), (0.5, 2.0), (0.75, 4.0), (0.99, 1 / (1 - BUSY_MAX))):
+        d = decision(tokens=512, p_queue=512)
+        d.p_waiting, d.p_busy = 2, busy
+        charge = on.choose(d).costs_s["push"] - d.estimates_s["push"]
+        assert charge == pytest.approx(2 * factor * on.p_time(Route.PUSH, d, 0.0)), busy
+        assert off.choose(d).costs_s["push"] - d.estimates_s["push"] == pytest.approx(2 * off.p_time(Route.PUSH, d, 0.0))
+    d = decision(tokens=512)
+    d.p_busy = 0.7
+    assert on.choose(d).costs_s["push"] == d.estimates_s["push"]
+    short = decision(tokens=128, p_queue=512, d_running=2)  # one waiting at P: push (see the test above) ...
+    short.p_waiting, short.p_busy = 1, 0.7
+    assert off.choose(short).route is Route.PUSH and on.choose(short).route is Route.LOCAL  # ... unless P is busy
+    assert short.to_json()["p_busy"] == 0.7
+
+
+def test_the_router_measures_how_busy_each_p_is():
+    now = [0.0]
+    r = AutoRouter(clock=lambda: now[0], local_window_s=10.0)
+    body = {"prompt": ids(40, seed=1)}
+    first = r.decide(body, "http://p", "http://d", 0, BS, forced=Route.PUSH)
+    assert first.p_busy == 0.0
+    r.dispatched(first)
+    local = r.decide(body, "http://p", "http://d", 1, BS, forced=Route.LOCAL)
+    r.dispatched(local)  # D's prefill does not make P busy
+    now[0] = 10.0
+    r.prefilled(local)
+    assert r.decide(body, "http://p", "http://d", 1, BS).p_busy == pytest.approx(1 - math.exp(-1))
+    r.prefilled(first)
+    now[0] = 20.0
+    assert r.decide(body, "http://p", "http://d", 0, BS).p_busy == pytest.approx((1 - math.exp(-1)) * math.exp(-1))
+    assert r.decide(body, "http://p2", "http://d", 0, BS).p_busy == 0.0
 
 
 def test_the_router_counts_the_requests_queued_at_each_p():

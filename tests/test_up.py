@@ -98,3 +98,7 @@ def test_up_hands_the_auto_flags_to_its_proxy(monkeypatch: pytest.MonkeyPatch):
     assert proxy[proxy.index("--auto-local-share") + 1] == "0.1" and proxy[proxy.index("--auto-stall-weight") + 1] == "2.0"
     assert seen["serve"] == ["--torch-threads", "1"]
     assert cli.build_parser().parse_args(["proxy", "--prefill", "u", "--decode", "v", *proxy]).auto_local_share == 0.1
+    assert "--auto-busy-period" not in proxy  # a switch left off is not passed
+    args, serve_args = cli.up_parser().parse_known_args(["m", "--kv-mode", "auto", "--auto-busy-period"])
+    assert cli.cmd_up(args, serve_args) == 0
+    assert cli.build_parser().parse_args(["proxy", "--prefill", "u", "--decode", "v", *seen["proxy"]]).auto_busy_period

@@ -116,6 +116,7 @@ RESIDUAL_ALPHA = ProxyConfig.auto_residual_alpha
 SWITCH_MARGIN = ProxyConfig.auto_switch_margin
 PRIOR_TOKENS_PER_CHAR = 0.25
 STALL_WEIGHT = ProxyConfig.auto_stall_weight
+BUSY_MAX = 0.8  # the busy fraction busy_factor takes at most (a factor of 5): near saturation the M/M/1 figure explodes
 
 
 class Route(StrEnum):
@@ -151,12 +152,13 @@ class Decision:
     reason: str = "cheapest"  # cheapest | explore | near-tie | forced | only (no other route allowed)
     residuals: dict[str, float] = field(default_factory=dict)  # the log-ratio corrections in the estimates
     queue_s: dict[str, float] = field(default_factory=dict)  # the queue ahead, in each estimate (not corrected)
+    p_busy: float = 0.0  # P's recent busy fraction (the proxy's BusyMeter); used with busy_period
 
     def to_json(self) -> dict:
         """What the request's answer says about it (`kvpush_route`)."""
         return {"route": self.route.value, "forced": self.forced, "reason": self.reason, "tokens": round(self.tokens),
                 "d_prefix_tokens": round(self.d_prefix), "p_prefix_tokens": round(self.p_prefix),
-                "p_waiting": self.p_waiting, "d_running": self.d_running,
+                "p_waiting": self.p_waiting, "p_busy": round(self.p_busy, 3), "d_running": self.d_running,
                 "p_queue_tokens": round(self.p_queue), "d_queue_tokens": round(self.d_queue),
                 "estimates_ms": {r: round(s * 1e3, 2) for r, s in self.estimates_s.items()},
                 "residuals": {r: round(v, 4) for r, v in self.residuals.items()},
@@ -177,8 +179,9 @@ class Outcome:
 class CostModel:
     def __init__(self, routes: tuple[Route, ...] = tuple(Route), stall_weight: float = STALL_WEIGHT,
                  local_max_s: float = 0.064, near_tie: float = NEAR_TIE, residual_alpha: float = RESIDUAL_ALPHA,
-                 switch_margin: float = SWITCH_MARGIN) -> None:
+                 switch_margin: float = SWITCH_MARGIN, busy_period: bool = False) -> None:
         self.routes = routes
+        self.busy_period = busy_period
         self.switch_margin = switch_margin
         self.incumbent: Route | None = Route.PUSH if Route.PUSH in routes else None  # the priors' first
         self.stall_weight = stall_weight
@@ -251,8 +254,14 @@ class CostModel:
         if route is Route.LOCAL:
             est += self.local_s(d) * d.d_running * self.stall_weight
         elif d.p_waiting:
-            est += self.p_time(route, d, 0.0) * d.p_waiting
+            est += self.p_time(route, d, 0.0) * d.p_waiting * self.busy_factor(d)
         return est
+
+    def busy_factor(self, d: Decision) -> float:
+        """With busy_period: 1 / (1 - P's busy fraction, at most BUSY_MAX): each request its prefill leaves
+        behind at P delays, in a FIFO queue, every request of the rest of P's busy period, about 1 / (1 - rho)
+        requests per request left behind (M/M/1); without it, 1 (the requests left behind alone)."""
+        return 1.0 / (1.0 - min(d.p_busy, BUSY_MAX)) if self.busy_period else 1.0
 
     def p_queue_delay(self, d: Decision) -> float:
         """How long P's queue alone would hold this request: its prefill estimate with the tokens queued

@@ -223,3 +223,21 @@ class LocalBudget:
     def charge(self, url: str, seconds: float, now: float) -> None:
         if not self.unlimited:
             self.level[url] = (self.available(url, now) - max(seconds, 0.0), now)
+
+
+class BusyMeter:
+    """The fraction of recent time each instance was busy (had a prefill queued or running), as the proxy
+    sees it: an exponentially weighted average of the busy state over about `window_s`. The proxy's span
+    of a leg (dispatch -> P's answer) includes its HTTP hops, so this reads a little above P's own."""
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        self.state: dict[str, tuple[float, bool, float]] = {}  # url -> (fraction, busy since then, as of when)
+
+    def fraction(self, url: str, now: float) -> float:
+        value, busy, since = self.state.get(url, (0.0, False, now))
+        keep = math.exp(-max(now - since, 0.0) / self.window_s)
+        return value * keep + (1.0 - keep) * float(busy)
+
+    def set(self, url: str, busy: bool, now: float) -> None:
+        self.state[url] = (self.fraction(url, now), busy, now)

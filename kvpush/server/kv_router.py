@@ -23,7 +23,7 @@ from kvpush.server.kv_choice import (
     Route,
     outcome,
 )
-from kvpush.server.kv_fit import LocalBudget
+from kvpush.server.kv_fit import BusyMeter, LocalBudget
 from kvpush.server.kv_prefix import PrefixTracker, PromptKey
 
 
@@ -34,10 +34,11 @@ class AutoRouter:
     def __init__(self, stall_weight: float = STALL_WEIGHT, local_max_s: float = 0.064, local_share: float = 1.0,
                  local_window_s: float = 10.0, clock: Callable[[], float] = time.monotonic,
                  near_tie: float = NEAR_TIE, residual_alpha: float = RESIDUAL_ALPHA,
-                 switch_margin: float = SWITCH_MARGIN) -> None:
+                 switch_margin: float = SWITCH_MARGIN, busy_period: bool = False) -> None:
         self.model = CostModel(stall_weight=stall_weight, local_max_s=local_max_s, near_tie=near_tie,
-                               residual_alpha=residual_alpha, switch_margin=switch_margin)
+                               residual_alpha=residual_alpha, switch_margin=switch_margin, busy_period=busy_period)
         self.budget = LocalBudget(local_share, local_window_s)
+        self.busy = BusyMeter(local_window_s)  # P's busy fraction (the cost model's busy_period)
         self.clock = clock
         self.trackers: dict[str, PrefixTracker] = {}
         self.queued: dict[str, float] = {}  # url -> prompt tokens still to prefill there
@@ -63,6 +64,7 @@ class AutoRouter:
                      self.queued.get(p_url or "", 0.0), self.queued.get(d_url, 0.0), decoding,
                      (p_url or "", d_url), self.waiting.get(p_url or "", 0), key=key)
         d.local_s = m.local_s(d)
+        d.p_busy = self.busy.fraction(p_url, self.clock()) if p_url else 0.0
         if forced is not None:
             d.forced = True
             return m.choose(d, (forced,))
@@ -78,6 +80,7 @@ class AutoRouter:
         self.queued[url] = self.queued.get(url, 0.0) + d.tokens
         self.waiting[url] = self.waiting.get(url, 0) + 1
         self.pending[d_url] = self.pending.get(d_url, 0) + 1
+        self.busy.set(url, True, self.clock())
         if not d.route.remote:
             self.budget.charge(d_url, d.local_s, self.clock())
         if d.key is not None:
@@ -97,6 +100,7 @@ class AutoRouter:
         self.queued[url] = left if left > 1e-6 else 0.0
         self.waiting[url] = max(self.waiting.get(url, 0) - 1, 0)
         self.pending[d.pair[1]] = max(self.pending.get(d.pair[1], 0) - 1, 0)
+        self.busy.set(url, self.waiting[url] > 0, self.clock())
 
     def rerouted(self, d: Decision, d_url: str) -> None:
         """Pull: D refused the leg and another D takes it: learn and track for that one. (The proxy

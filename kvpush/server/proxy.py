@@ -71,7 +71,8 @@ class Proxy(InstancePool):
         self.metrics = ProxyMetrics()
         self.auto = (AutoRouter(config.auto_stall_weight, config.auto_local_max_ms / 1e3, config.auto_local_share,
                                 config.auto_local_window_s, near_tie=config.auto_near_tie,
-                                residual_alpha=config.auto_residual_alpha, switch_margin=config.auto_switch_margin)
+                                residual_alpha=config.auto_residual_alpha, switch_margin=config.auto_switch_margin,
+                                busy_period=config.auto_busy_period)
                      if config.kv_mode is KVMode.AUTO else None)
         self.session: aiohttp.ClientSession | None = None
         self._prober: asyncio.Task | None = None
