@@ -239,7 +239,8 @@ def add_auto_arguments(p: argparse.ArgumentParser) -> None:
                         "(bounds what that adds to TPOT; 1: no limit, 0: only when no P is usable)")
     p.add_argument("--auto-local-window-s", type=positive_float,
                    default=_default(ProxyConfig, "auto_local_window_s"),
-                   help="--kv-mode auto: the local share is kept over about this long (a burst may use it at once)")
+                   help="--kv-mode auto: the local share is kept over about this long (a burst may use it at once); "
+                        "also the window of P's busy fraction (--auto-busy-period)")
     p.add_argument("--auto-near-tie", type=non_negative_float, default=_default(ProxyConfig, "auto_near_tie"),
                    help="--kv-mode auto: when a remote route is the cheapest, another remote route whose cost is "
                         "within this fraction of its cost is taken once 10 decisions went by without it, so that "
@@ -252,7 +253,8 @@ def add_auto_arguments(p: argparse.ArgumentParser) -> None:
                         "lower by more than this fraction (0: the cheapest always)")
     p.add_argument("--auto-busy-period", action="store_true",
                    help="--kv-mode auto: count the delay a prefill on P causes the requests behind it 1 / (1 - P's "
-                        "busy fraction) times, for the rest of P's busy period (default: once)")
+                        "busy fraction over --auto-local-window-s) times, at most 5, for the rest of P's busy period "
+                        "(default: once)")
 
 
 def cmd_proxy(args: argparse.Namespace) -> int:

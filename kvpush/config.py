@@ -258,7 +258,7 @@ class ProxyConfig:
     # --kv-mode auto: the share of each D's time its local prefills may take (a token bucket
     # auto_local_share * auto_local_window_s seconds deep; >= 1: no limit): what they add to TPOT
     auto_local_share: float = 1.0
-    auto_local_window_s: float = 10.0
+    auto_local_window_s: float = 10.0  # also the window of P's busy fraction (auto_busy_period)
     # --kv-mode auto: when a remote route is the cheapest, another remote route whose cost is within this
     # fraction of its cost is taken once 10 decisions went by without it (kv_choice.CostModel.tied): near
     # ties settled by measuring; 0: off (the default: replayed with --learn picked over 189 cells of 13 maps,

@@ -65,3 +65,19 @@ def test_serve_takes_the_prefill_join_limit() -> None:
         config("--long-prefill-token-threshold", "-1")
     with pytest.raises(SystemExit, match="no-chunked-prefill"):
         config("--long-prefill-token-threshold", "64", "--no-chunked-prefill")
+
+
+def test_kvpush_proxy_builds_its_config_with_the_auto_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvpush.server.proxy as proxy
+    from kvpush.cli import build_parser, cmd_proxy
+
+    seen = []
+
+    async def serve(config) -> None:
+        seen.append(config)
+
+    monkeypatch.setattr(proxy, "serve_proxy", serve)
+    base = ["proxy", "--prefill", "http://p", "--decode", "http://d", "--kv-mode", "auto"]
+    assert cmd_proxy(build_parser().parse_args([*base, "--auto-busy-period", "--auto-switch-margin", "0.1"])) == 0
+    assert cmd_proxy(build_parser().parse_args(base)) == 0
+    assert seen[0].auto_busy_period and seen[0].auto_switch_margin == 0.1 and not seen[1].auto_busy_period

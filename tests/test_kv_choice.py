@@ -535,6 +535,36 @@ def test_the_router_measures_how_busy_each_p_is():
     assert r.decide(body, "http://p2", "http://d", 0, BS).p_busy == 0.0
 
 
+def test_p_stays_busy_until_its_last_leg_is_answered_and_local_legs_leave_it_idle():
+    now = [0.0]
+    r = AutoRouter(clock=lambda: now[0], local_window_s=10.0, busy_period=True)
+    assert r.model.busy_period and not AutoRouter().model.busy_period
+    body = {"prompt": ids(40, seed=2)}
+    a, b = (r.decide(body, "http://p", "http://d", 0, BS, forced=Route.PUSH) for _ in range(2))
+    r.dispatched(a)
+    r.dispatched(b)
+    now[0] = 5.0
+    r.prefilled(a)  # b is still at P
+    now[0] = 10.0
+    assert r.decide(body, "http://p", "http://d", 0, BS).p_busy == pytest.approx(1 - math.exp(-1))
+    local = r.decide(body, "http://q", "http://d", 0, BS, forced=Route.LOCAL)
+    r.dispatched(local)
+    now[0] = 20.0
+    assert r.decide(body, "http://q", "http://d", 0, BS).p_busy == 0.0  # D's prefill: P q stays idle
+    assert BusyMeter(0.0).fraction("p", 1.0) == 0.0  # no window: the state now (no division by zero)
+
+
+def test_the_proxy_hands_the_busy_period_switch_to_its_router():
+    from kvpush.config import KVMode, ProxyConfig
+    from kvpush.server.proxy import Proxy
+
+    on = Proxy(ProxyConfig(prefill_urls=("http://p",), decode_urls=("http://d",), kv_mode=KVMode.AUTO,
+                           auto_busy_period=True))
+    off = Proxy(ProxyConfig(prefill_urls=("http://p",), decode_urls=("http://d",), kv_mode=KVMode.AUTO))
+    assert on.auto is not None and on.auto.model.busy_period
+    assert off.auto is not None and not off.auto.model.busy_period
+
+
 def test_the_router_counts_the_requests_queued_at_each_p():
     r = AutoRouter()
     body = {"prompt": ids(40, seed=1)}

@@ -13,6 +13,7 @@ Signals (all free for the proxy; no extra round trip):
     p_prefix    the same for P (its prefix cache spares it those tokens)
     p_queue     prompt tokens P still has to prefill for legs dispatched before this one
     p_waiting   how many requests those are (the one P is prefilling included)
+    p_busy      the share of recent time the proxy had a leg at P without P's answer (kv_fit.BusyMeter)
     d_queue     prompt tokens D still has to prefill for local requests dispatched before this one
     d_running   requests decoding on D: in flight there, less those whose prefill is still pending
                 (queued or running on P, or queued on D): a local prefill stalls each of them (once, or once
@@ -48,7 +49,8 @@ Estimates and costs (seconds):
     remote r:  prefill[r, P](p_queue + own, own) + rest[r, P, D](tokens - d_prefix), own = tokens - p_prefix;
                its cost adds what its prefill delays the requests behind it on P: prefill[r, P](own, own)
                x p_waiting (in a FIFO queue a request leaves as many behind as it found ahead, on
-               average). Local's cost charges the stall it inflicts on D's decoding requests (below),
+               average), with busy_period (--auto-busy-period) x 1 / (1 - min(p_busy, BUSY_MAX)): each
+               request left behind passes the delay on to the rest of P's busy period. Local's cost charges the stall it inflicts on D's decoding requests (below),
                so both sides carry a delay to others (local's leaves out the locals queued behind it
                on D and the KV landing there meanwhile): a request that stays off a busy P spares the
                requests queueing there, which is where the TTFT tail forms (a short prompt behind a

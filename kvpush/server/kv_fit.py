@@ -236,7 +236,7 @@ class BusyMeter:
 
     def fraction(self, url: str, now: float) -> float:
         value, busy, since = self.state.get(url, (0.0, False, now))
-        keep = math.exp(-max(now - since, 0.0) / self.window_s)
+        keep = math.exp(-max(now - since, 0.0) / self.window_s) if self.window_s > 0 else 0.0
         return value * keep + (1.0 - keep) * float(busy)
 
     def set(self, url: str, busy: bool, now: float) -> None:
