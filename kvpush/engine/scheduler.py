@@ -8,10 +8,11 @@ is preempted: its blocks are freed and it is recomputed later from scratch.
 
 Prefills join a step one at a time (`prefill_join_tokens`): a waiting request that would compute
 more than that many tokens does not join a step that already computes a prefill, and nothing behind
-it is admitted but requests whose KV comes from a peer (parking them computes nothing). Where a step's time grows with its tokens (a CPU), packing two prefills into one
-step delays the first by the second's whole prefill and speeds neither: every request in the step
-ends when the step does. Small joins (a request whose KV arrived from a peer recomputes one token)
-cost the others little and save a step.
+it is admitted but requests whose KV comes from a peer (parking them computes nothing). Where a
+step's time grows with its tokens (a CPU), packing two prefills into one step delays the first by
+the second's whole prefill and speeds neither: every request in the step ends when the step does.
+Small joins (a request whose KV arrived from a peer recomputes one token) cost the others little and
+save a step.
 
 A long prefill runs in chunks (`long_prefill_token_threshold`, the scheduler's `chunk_limit`): at
 most that many of one request's prompt tokens a step, so the requests decoding beside it get a token

@@ -50,9 +50,10 @@ Estimates and costs (seconds):
                its cost adds what its prefill delays the requests behind it on P: prefill[r, P](own, own)
                x p_waiting (in a FIFO queue a request leaves as many behind as it found ahead, on
                average), with busy_period (--auto-busy-period) x 1 / (1 - min(p_busy, BUSY_MAX)): each
-               request left behind passes the delay on to the rest of P's busy period. Local's cost charges the stall it inflicts on D's decoding requests (below),
-               so both sides carry a delay to others (local's leaves out the locals queued behind it
-               on D and the KV landing there meanwhile): a request that stays off a busy P spares the
+               request left behind passes the delay on to the rest of P's busy period. Local's cost
+               charges the stall it inflicts on D's decoding requests (below), so both sides carry a
+               delay to others (local's leaves out the locals queued behind it on D and the KV
+               landing there meanwhile): a request that stays off a busy P spares the
                requests queueing there, which is where the TTFT tail forms (a short prompt behind a
                long one); routes that slow P (push-layerwise's hooks) pay for it per waiting request.
                P's line includes its intercept: were the fit's queue slope to drop to 0, the
