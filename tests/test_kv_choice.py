@@ -8,6 +8,7 @@ import math
 import pytest
 
 from kvpush.server.kv_choice import (
+    AFTER_PRIORS,
     BUSY_MAX,
     EXPLORE_EVERY,
     EXPLORE_EVERY_LATER,
@@ -16,12 +17,12 @@ from kvpush.server.kv_choice import (
     CostModel,
     Decision,
     Line,
-    Outcome,
     Route,
-    outcome,
+    incumbent_key,
 )
 from kvpush.server.kv_fit import BusyMeter, LocalBudget, RouteFit
 from kvpush.server.kv_prefix import PrefixTracker, PromptKey
+from kvpush.server.kv_records import Outcome, outcome
 from kvpush.server.kv_router import AutoRouter
 
 BS = 8
@@ -453,7 +454,7 @@ def test_a_route_that_slows_p_is_charged_for_the_requests_waiting_behind_it():
         n = (128, 512, 1024)[i % 3]
         for route, extra, rest in ((Route.PUSH, 0.0, 0.010), (Route.PUSH_LAYERWISE, 0.003, 0.002)):
             p_time = 0.01 + 0.0004 * n + extra
-            m.observe(Decision(route, n, 0, 0, 0, 0, 0, PAIR), Outcome(p_time + rest, p_time, None, n, 0))
+            m.observe(Decision(route, n, 0, 0, 0, 0, 0, PAIR), Outcome(p_time + rest, p_time, None, n, 0, 0.001))
     both = (Route.PUSH, Route.PUSH_LAYERWISE)
     alone = m.choose(decision(tokens=512, d_running=0), both)
     assert alone.route is Route.PUSH_LAYERWISE
@@ -464,7 +465,7 @@ def test_a_route_that_slows_p_is_charged_for_the_requests_waiting_behind_it():
     assert d.route is Route.PUSH, d.estimates_s
     assert d.estimates_s["push-layerwise"] < d.estimates_s["push"]  # its own TTFT is still the shorter
     assert (d.to_json()["p_queue_tokens"], d.to_json()["d_queue_tokens"], d.to_json()["p_waiting"]) == (1536, 0, 3)
-    own_pl = m.p_time(Route.PUSH_LAYERWISE, d, 0.0)
+    own_pl = m.p_time(Route.PUSH_LAYERWISE, d, 0.0) + 0.001  # its prefill, then P's answer (measured: 1 ms)
     assert d.to_json()["costs_ms"]["push-layerwise"] == pytest.approx((d.estimates_s["push-layerwise"] + 3 * own_pl) * 1e3,
                                                                        abs=0.01)
 
@@ -481,7 +482,7 @@ def test_requests_waiting_at_p_tip_a_short_prompt_to_local():
     three = decision(tokens=128, p_queue=512, d_running=2)
     three.p_waiting = 3
     assert m.choose(three).route is Route.LOCAL, three.costs_s
-    assert three.costs_s["push"] - three.estimates_s["push"] == pytest.approx(3 * m.p_time(Route.PUSH, three, 0.0))
+    assert three.costs_s["push"] - three.estimates_s["push"] == pytest.approx(3 * m.p_busy_s(Route.PUSH, three))
 
 
 def test_busy_meter_averages_the_busy_state_over_its_window():
@@ -506,8 +507,8 @@ def test_with_busy_period_the_delay_to_those_behind_at_p_grows_with_ps_busy_frac
         d = decision(tokens=512, p_queue=512)
         d.p_waiting, d.p_busy = 2, busy
         charge = on.choose(d).costs_s["push"] - d.estimates_s["push"]
-        assert charge == pytest.approx(2 * factor * on.p_time(Route.PUSH, d, 0.0)), busy
-        assert off.choose(d).costs_s["push"] - d.estimates_s["push"] == pytest.approx(2 * off.p_time(Route.PUSH, d, 0.0))
+        assert charge == pytest.approx(2 * factor * on.p_busy_s(Route.PUSH, d)), busy
+        assert off.choose(d).costs_s["push"] - d.estimates_s["push"] == pytest.approx(2 * off.p_busy_s(Route.PUSH, d))
     d = decision(tokens=512)
     d.p_busy = 0.7
     assert on.choose(d).costs_s["push"] == d.estimates_s["push"]
@@ -732,6 +733,9 @@ def test_session_turns_and_fresh_prompts_have_rest_fits_of_their_own():
     assert turn.estimates_s["push"] == pytest.approx(p_time(64) + 0.010 + 0.003 * 10, abs=0.003)
 
 
+K512 = incumbent_key(decision(tokens=512))
+
+
 def test_another_remote_route_takes_over_only_beyond_the_switch_margin():
     """The fits put push 10% above push-layerwise: with a 20% margin push (the priors' first, the
     incumbent) keeps the requests; with 5% push-layerwise takes over and is the incumbent then, so push
@@ -743,16 +747,16 @@ def test_another_remote_route_takes_over_only_beyond_the_switch_margin():
     assert d.route is Route.PUSH and d.costs_s["push"] > d.costs_s["push-layerwise"] * 1.05, d.costs_s
     m.switch_margin = 0.05
     assert m.choose(decision(tokens=512), both).route is Route.PUSH_LAYERWISE
-    assert m.incumbent is Route.PUSH_LAYERWISE
-    assert m.cheapest(both, {"push": 0.097, "push-layerwise": 0.100}) is Route.PUSH_LAYERWISE  # 3%: not enough
-    assert m.cheapest(both, {"push": 0.094, "push-layerwise": 0.100}) is Route.PUSH and m.incumbent is Route.PUSH
+    assert m.incumbent(K512) is Route.PUSH_LAYERWISE
+    assert m.cheapest(both, {"push": 0.097, "push-layerwise": 0.100}, K512) is Route.PUSH_LAYERWISE  # 3%: not enough
+    assert m.cheapest(both, {"push": 0.094, "push-layerwise": 0.100}, K512) is Route.PUSH and m.incumbent(K512) is Route.PUSH
     m.switch_margin = 0.5
     three = (*both, Route.LOCAL)
-    assert m.cheapest(three, {"push": 0.100, "push-layerwise": 0.070, "local": 0.060}) is Route.LOCAL
+    assert m.cheapest(three, {"push": 0.100, "push-layerwise": 0.070, "local": 0.060}, K512) is Route.LOCAL
     # local against the cheapest remote route at its own cost: push-layerwise is cheaper than local here,
     # so a remote route is taken - push, the incumbent, push-layerwise being within the margin
-    assert m.cheapest(three, {"push": 0.100, "push-layerwise": 0.070, "local": 0.099}) is Route.PUSH
-    assert m.incumbent is Route.PUSH
+    assert m.cheapest(three, {"push": 0.100, "push-layerwise": 0.070, "local": 0.099}, K512) is Route.PUSH
+    assert m.incumbent(K512) is Route.PUSH
 
 
 def test_a_forced_route_an_exploration_or_a_lone_remote_route_leaves_the_incumbent():
@@ -760,10 +764,59 @@ def test_a_forced_route_an_exploration_or_a_lone_remote_route_leaves_the_incumbe
     m.switch_margin = 0.2
     forced = decision(tokens=512)
     forced.forced = True
-    assert m.choose(forced, (Route.PULL,)).route is Route.PULL and m.incumbent is Route.PUSH
+    assert m.choose(forced, (Route.PULL,)).route is Route.PULL and m.incumbent(K512) is Route.PUSH
     assert m.choose(decision(tokens=512), (Route.PUSH_LAYERWISE, Route.LOCAL)).route is not Route.PUSH
-    assert m.incumbent is Route.PUSH
+    assert m.incumbent(K512) is Route.PUSH
     m.decisions = EXPLORE_EVERY_LATER - 1  # the next decision explores: the route taken least recently
     m.taken_at[Route.PUSH] = m.decisions
     d = m.choose(decision(tokens=512), (Route.PUSH, Route.PUSH_LAYERWISE))
-    assert d.reason == "explore" and d.route is Route.PUSH_LAYERWISE and m.incumbent is Route.PUSH
+    assert d.reason == "explore" and d.route is Route.PUSH_LAYERWISE and m.incumbent(K512) is Route.PUSH
+
+
+def test_each_size_class_keeps_its_own_incumbent():
+    """Short prompts settling on push-layerwise leave the long ones' incumbent alone: with a 20% margin
+    the long ones go by pull, their cheapest, though push-layerwise is the short ones' incumbent."""
+    m = CostModel(switch_margin=0.2)
+    both = (Route.PUSH_LAYERWISE, Route.PULL)
+    short, long = decision(tokens=128), decision(tokens=1024)
+    assert incumbent_key(short) != incumbent_key(long)
+    assert m.cheapest(both, {"push-layerwise": 0.050, "pull": 0.080}, incumbent_key(short)) is Route.PUSH_LAYERWISE
+    assert m.incumbent(incumbent_key(short)) is Route.PUSH_LAYERWISE
+    assert m.incumbent(incumbent_key(long)) is Route.PUSH  # nothing settled there yet: the priors' first
+    assert m.cheapest(both, {"push-layerwise": 0.300, "pull": 0.290}, incumbent_key(long)) is Route.PULL
+    assert m.incumbent(incumbent_key(long)) is Route.PULL
+    # one class's incumbent holds within its margin: push-layerwise 10% cheaper stays behind pull
+    assert m.cheapest(both, {"push-layerwise": 0.270, "pull": 0.300}, incumbent_key(long)) is Route.PULL
+    # a session turn (D holds a prefix) is a class apart from a fresh prompt of its size
+    assert incumbent_key(decision(tokens=1024, d_prefix=896)) != incumbent_key(long)
+
+
+def test_what_p_does_after_the_prefill_is_learned_per_route_and_charged_to_those_waiting_at_p():
+    """P's WRITE for push (P's core copies it here) holds P after the prefill; pull's READ does not.
+    Learned from P's prefill done -> answer per route, it is charged per request waiting at P, and
+    only there: with nobody waiting the two routes' costs are their estimates."""
+    m = CostModel(switch_margin=0.0)
+    for route, after in ((Route.PUSH, 0.012), (Route.PULL, 0.001)):
+        for tokens in (256, 512, 1024) * 4:
+            d = Decision(route, tokens, 0, 0, 0, 0, 0, PAIR)
+            m.observe(d, Outcome(0.3, 0.25, None, tokens, 0, after * tokens / 1024))
+    assert m.after[Route.PUSH](1024) == pytest.approx(0.012, rel=1e-3)
+    assert m.after[Route.PULL](1024) == pytest.approx(0.001, rel=1e-3)
+    assert m.after[Route.PUSH_LAYERWISE](1024) == pytest.approx(sum(AFTER_PRIORS[Route.PUSH_LAYERWISE]) + 1023 * AFTER_PRIORS[Route.PUSH_LAYERWISE][1])
+    idle = m.choose(decision(tokens=1024), (Route.PUSH, Route.PULL))
+    assert idle.costs_s == idle.estimates_s
+    busy = m.choose(decision(tokens=1024, p_queue=2048), (Route.PUSH, Route.PULL))
+    busy.p_waiting = 2
+    extra = {r.value: m.cost(r, busy) - busy.estimates_s[r.value] for r in (Route.PUSH, Route.PULL)}
+    p_own = {r.value: m.p_time(r, busy, 0.0) for r in (Route.PUSH, Route.PULL)}
+    assert extra["push"] == pytest.approx(2 * (p_own["push"] + 0.012), rel=1e-3)
+    assert extra["pull"] == pytest.approx(2 * (p_own["pull"] + 0.001), rel=1e-3)
+
+
+def test_outcome_reads_p_after_the_prefill_from_ps_own_stamps():
+    trace = {"proxy_received": 10.0, "d_leg_sent": 10.001, "api_received": 50.0, "first_token": 50.3,
+             "p_api_received": 80.0, "p_prefill_done": 80.25, "p_answered": 80.256}
+    out = outcome(trace, {"tokens": 1024, "cached_tokens": 0})
+    assert out.p_after_s == pytest.approx(0.006) and out.p_time_s == pytest.approx(0.25)
+    assert outcome({**trace, "p_answered": 80.2}, None).p_after_s is None  # stamps out of order: unmeasured
+    assert outcome({k: v for k, v in trace.items() if k != "p_answered"}, None).p_after_s is None

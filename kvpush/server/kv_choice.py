@@ -43,19 +43,24 @@ Learned fits, from every finished request's trace (decayed least squares):
                         push's rest 12 -> 30 ms from 0-2 to 6-8 requests decoding on D, fresh: 3 -> 9): in
                         one fit the moved tokens and the load cannot tell them apart, and the turns of a
                         sessions cell set the load slope a fresh cell after it is priced by
+    after[route]        P's prefill done -> its answer, vs tokens moved (a Line per remote route): what P
+                        does for the request after its prefill, push's WRITE above all (on one host P's
+                        core copies it: UCX's cma, the initiator copies; pull's READ is copied by D's)
     (TTFT = proxy received -> D's leg sent on the proxy's clock + D's api_received -> first token on
     D's: no two clocks are subtracted from each other, so it holds across hosts.)
 Estimates and costs (seconds):
     remote r:  prefill[r, P](p_queue + own, own) + rest[r, P, D](tokens - d_prefix), own = tokens - p_prefix;
-               its cost adds what its prefill delays the requests behind it on P: prefill[r, P](own, own)
-               x p_waiting (in a FIFO queue a request leaves as many behind as it found ahead, on
+               its cost adds how long it keeps P from the requests behind it: (prefill[r, P](own, own) +
+               after[r](tokens - d_prefix)) x p_waiting (in a FIFO queue a request leaves as many behind as it found ahead, on
                average), with busy_period (--auto-busy-period) x 1 / (1 - min(p_busy, BUSY_MAX)): each
                request left behind passes the delay on to the rest of P's busy period. Local's cost
                charges the stall it inflicts on D's decoding requests (below), so both sides carry a
                delay to others (local's leaves out the locals queued behind it on D and the KV
                landing there meanwhile): a request that stays off a busy P spares the
                requests queueing there, which is where the TTFT tail forms (a short prompt behind a
-               long one); routes that slow P (push-layerwise's hooks) pay for it per waiting request.
+               long one); routes that hold P longer (push-layerwise's hooks, push's WRITE) pay for it per
+               waiting request: in the mixed cell's fixed-route runs P's part of the TTFT was 258 / 264 /
+               276 ms at 1,024 tokens by pull / push / push-layerwise (medians, 24 runs a route, ad hoc).
                P's line includes its intercept: were the fit's queue slope to drop to 0, the
                intercept would hold P's queueing and this charge would overstate the delay
     local:     local(d_queue + tokens - d_prefix); its cost adds the stall it inflicts on D's running
@@ -76,9 +81,9 @@ Estimates and costs (seconds):
                of apart, the newest weighted residual_alpha (kv_fit.Residuals). The stall local
                charges and P's delay to others are not corrected
 The cheapest route wins (`cheapest`): local when no remote route costs less; else among the remote
-routes one other than the incumbent (the remote route the last free choice between remote routes
-settled on; push at first; a forced, explored or tied decision leaves it) counts switch_margin
-dearer: remote routes differ by less than the fits' error where the link is fast, and the cheapest
+routes one other than the incumbent of the request's size class (incumbent_key: the remote route the
+last free choice between remote routes settled on for that class; push at first; a forced, explored
+or tied decision leaves it) counts switch_margin dearer: remote routes differ by less than the fits' error where the link is fast, and the cheapest
 of noisy near-equal estimates is noise. With near_tie > 0 (off by default), a remote route whose cost is within near_tie of the
 cheapest's (a remote route) and that no decision took for TIE_EVERY decisions takes this one (`tied`).
 Every EXPLORE_EVERY-th decision (every EXPLORE_EVERY_LATER-th once each route has WELL_MEASURED
@@ -102,12 +107,11 @@ Not used: descriptor count (pull's READ cost grows with fragmented KV; on one ho
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from enum import StrEnum
 
 from kvpush.config import ProxyConfig
 from kvpush.server.kv_fit import Line, Residuals, RouteFit
 from kvpush.server.kv_prefix import CHARS_PER_UNIT, PromptKey
+from kvpush.server.kv_records import Decision, Outcome, Route
 
 EXPLORE_EVERY = 20  # while some route has fewer than WELL_MEASURED samples
 EXPLORE_EVERY_LATER = 100
@@ -122,61 +126,8 @@ STALL_WEIGHT = ProxyConfig.auto_stall_weight
 BUSY_MAX = 0.8  # the busy fraction busy_factor takes at most (a factor of 5): near saturation the M/M/1 figure explodes
 
 
-class Route(StrEnum):
-    PUSH = "push"
-    PUSH_LAYERWISE = "push-layerwise"
-    PULL = "pull"
-    LOCAL = "local"
-
-    @property
-    def remote(self) -> bool:
-        return self is not Route.LOCAL
-
-
-@dataclass
-class Decision:
-    """One request's choice and what it was based on (kept until its answer teaches the model)."""
-
-    route: Route
-    tokens: float
-    p_prefix: float
-    d_prefix: float
-    p_queue: float
-    d_queue: float
-    d_running: int
-    pair: tuple[str, str]
-    p_waiting: int = 0
-    estimates_s: dict[str, float] = field(default_factory=dict)
-    forced: bool = False
-    key: PromptKey | None = None
-    prefilled: bool = False  # its tokens have left the prefill queue they were counted in
-    local_s: float = 0.0  # D's prefill time for it, were it local (the queue not included)
-    costs_s: dict[str, float] = field(default_factory=dict)  # what the choice compared
-    reason: str = "cheapest"  # cheapest | explore | near-tie | forced | only (no other route allowed)
-    residuals: dict[str, float] = field(default_factory=dict)  # the log-ratio corrections in the estimates
-    queue_s: dict[str, float] = field(default_factory=dict)  # the queue ahead, in each estimate (not corrected)
-    p_busy: float = 0.0  # P's recent busy fraction (the proxy's BusyMeter); used with busy_period
-
-    def to_json(self) -> dict:
-        """What the request's answer says about it (`kvpush_route`)."""
-        return {"route": self.route.value, "forced": self.forced, "reason": self.reason, "tokens": round(self.tokens),
-                "d_prefix_tokens": round(self.d_prefix), "p_prefix_tokens": round(self.p_prefix),
-                "p_waiting": self.p_waiting, "p_busy": round(self.p_busy, 3), "d_running": self.d_running,
-                "p_queue_tokens": round(self.p_queue), "d_queue_tokens": round(self.d_queue),
-                "estimates_ms": {r: round(s * 1e3, 2) for r, s in self.estimates_s.items()},
-                "residuals": {r: round(v, 4) for r, v in self.residuals.items()},
-                "costs_ms": {r: round(s * 1e3, 2) for r, s in self.costs_s.items()}}
-
-
-@dataclass
-class Outcome:
-    """What a finished request's answer says (None: not stamped)."""
-
-    ttft_s: float | None
-    p_time_s: float | None
-    d_time_s: float | None  # D's api_received -> first token
-    prompt_tokens: int | None
-    d_cached_tokens: int | None
+# P's time after a remote route's prefill (CostModel.after): the priors' (intercept s, s per token moved)
+AFTER_PRIORS = {Route.PUSH: (0.0017, 3.6e-6), Route.PUSH_LAYERWISE: (0.0012, 0.7e-6), Route.PULL: (0.0014, 0.2e-6)}
 
 
 class CostModel:
@@ -186,7 +137,8 @@ class CostModel:
         self.routes = routes
         self.busy_period = busy_period
         self.switch_margin = switch_margin
-        self.incumbent: Route | None = Route.PUSH if Route.PUSH in routes else None  # the priors' first
+        # per size class (incumbent_key): the remote route the last free choice there settled on
+        self.incumbents: dict[tuple[int, bool], Route] = {}
         self.stall_weight = stall_weight
         self.near_tie = near_tie
         self.residual = Residuals(residual_alpha)  # residual_key -> log(measured / fitted own part)
@@ -204,6 +156,10 @@ class CostModel:
         # regime_full12b's auto runs its rest rose 3.4 ms per request decoding on D, push's 1.1 (ad hoc).
         self.rest, self.rest_hit = (RouteFit(remote, {Route.PUSH_LAYERWISE.value: 0.001, Route.PULL.value: 0.004},
                                              0.004, 1e-5, load_priors={Route.PULL.value: 0.002}) for _ in range(2))
+        # P's time after the prefill until it answers, vs the tokens moved (kv_outcome: push's WRITE on P's
+        # core; priors: medians at 128 and 1,024 tokens in the mixed cell's fixed-route runs, 24 a route,
+        # mixed_chunk19 to mixed_share19b, read ad hoc: push 2.2 / 5.4 ms, push-layerwise 1.3 / 1.9, pull 1.4 / 1.6)
+        self.after = {r: Line(a, b) for r, (a, b) in AFTER_PRIORS.items()}
         self.decisions = 0
         self.samples: dict[Route, int] = {r: 0 for r in Route}
         self.taken_at: dict[Route, int] = {r: 0 for r in Route}  # the decision that last took the route
@@ -257,8 +213,14 @@ class CostModel:
         if route is Route.LOCAL:
             est += self.local_s(d) * d.d_running * self.stall_weight
         elif d.p_waiting:
-            est += self.p_time(route, d, 0.0) * d.p_waiting * self.busy_factor(d)
+            est += self.p_busy_s(route, d) * d.p_waiting * self.busy_factor(d)
         return est
+
+    def p_busy_s(self, route: Route, d: Decision) -> float:
+        """How long this request by `route` (remote) keeps P from the requests behind it: its prefill,
+        then what P does for it after (push's WRITE: on one host P's core copies it, while pull's READ
+        is copied by D's)."""
+        return self.p_time(route, d, 0.0) + self.after[route](d.tokens - d.d_prefix)
 
     def busy_factor(self, d: Decision) -> float:
         """With busy_period: 1 / (1 - P's busy fraction, at most BUSY_MAX): each request its prefill leaves
@@ -295,29 +257,36 @@ class CostModel:
         self.decisions += 1
         d.costs_s = {r.value: self.cost(r, d) for r in allowed}
         explore, tie = self.to_explore(allowed, d.costs_s), self.tied(allowed, d.costs_s)
-        d.route = explore or tie or self.cheapest(allowed, d.costs_s)
+        d.route = explore or tie or self.cheapest(allowed, d.costs_s, incumbent_key(d))
         d.reason = ("forced" if d.forced else "only" if len(allowed) == 1 else "explore" if explore
                     else "near-tie" if tie else "cheapest")
         self.taken_at[d.route] = self.decisions
         return d
 
-    def cheapest(self, allowed: tuple[Route, ...], costs: dict[str, float]) -> Route:
+    def cheapest(self, allowed: tuple[Route, ...], costs: dict[str, float],
+                 key: tuple[int, bool] = (0, False)) -> Route:
         """Local if it is allowed and no remote route is cheaper (the margin plays no part there); else the
-        remote route to take: the cheapest, a remote route other than the incumbent (the remote route the
-        last free choice between remote routes settled on) counted switch_margin dearer, since the fits
-        tell remote routes apart only to about their error. Only a choice between two or more remote
+        remote route to take: the cheapest, a remote route other than the incumbent of the request's
+        size class (`key`, incumbent_key: the remote route the last free choice between remote routes
+        for a request of that class settled on; push at first) counted switch_margin dearer, since the
+        fits tell remote routes apart only to about their error. Only a choice between two or more remote
         routes settles the incumbent: a route the client forced (the only one allowed) never does."""
         remote = [r for r in allowed if r.remote]
         if Route.LOCAL in allowed and (not remote or costs["local"] <= min(costs[r.value] for r in remote)):
             return Route.LOCAL
-        incumbent = self.incumbent if self.incumbent in remote else None
+        incumbent = self.incumbent(key)
+        incumbent = incumbent if incumbent in remote else None
 
         def ranked(r: Route) -> float:
             return costs[r.value] * (1.0 + self.switch_margin if incumbent not in (None, r) else 1.0)
         best = min(remote, key=ranked)
         if len(remote) > 1:
-            self.incumbent = best
+            self.incumbents[key] = best
         return best
+
+    def incumbent(self, key: tuple[int, bool] = (0, False)) -> Route | None:
+        """The remote route requests of size class `key` settled on (push, the priors' first, until one did)."""
+        return self.incumbents.get(key, Route.PUSH if Route.PUSH in self.routes else None)
 
     def tied(self, allowed: tuple[Route, ...], costs: dict[str, float]) -> Route | None:
         """A remote route whose cost is within near_tie of the cheapest's (a remote route) and that no
@@ -367,6 +336,8 @@ class CostModel:
             own = tokens - d.p_prefix
             self.prefill.add(d.p_queue + own, 0.0, out.p_time_s, d.route.value, (d.pair[0], ""), own)
             self.rest_fit(d).add(moved, d.d_running, max(out.ttft_s - out.p_time_s, 0.0), d.route.value, d.pair)
+            if out.p_after_s is not None:
+                self.after[d.route].add(moved, out.p_after_s)
         est = d.estimates_s.get(d.route.value)
         if not (est and math.isfinite(est) and est > 0):
             return None
@@ -386,25 +357,18 @@ def residual_key(route: Route, d: Decision) -> tuple[bool, int, bool]:
     return route.remote, size_class(d), d.d_prefix > 0
 
 
+def incumbent_key(d: Decision) -> tuple[int, bool]:
+    """Which incumbent a request's choice between remote routes keeps (`cheapest`): its size class, and
+    whether D holds a prefix of it. One for all sizes let the short prompts of a mixed service settle
+    the long ones' route: in mixed_chunk19b 106 of 160 1,024-token prompts went by push-layerwise, the
+    incumbent the 128-token ones had settled, where the fixed routes' runs had it 12% worse than pull
+    on TTFT p99 and 7% on p50 (24 runs a route, ad hoc) and the model's own costs ranked it last."""
+    return size_class(d), d.d_prefix > 0
+
+
 def size_class(d: Decision) -> int:
     """The size class of a request for the residual corrections: the larger of its uncached parts (on P
     or on D) in tokens, to the nearest power of two (128, 512 and 2,048 tokens are two classes apart)."""
     return round(math.log2(max(d.tokens - min(d.p_prefix, d.d_prefix), 1.0)))
 
 
-def outcome(trace: dict | None, prompt: dict | None) -> Outcome:
-    """A finished request's Outcome from its merged kvpush_trace (the proxy's, P's p_-prefixed and D's
-    stamps) and D's kvpush_prompt ({"tokens", "cached_tokens"})."""
-    t = trace if isinstance(trace, dict) else {}
-    p = prompt if isinstance(prompt, dict) else {}
-
-    def span(a: str, b: str) -> float | None:
-        x, y = t.get(a), t.get(b)
-        ok = isinstance(x, (int, float)) and isinstance(y, (int, float)) and y >= x
-        return float(y - x) if ok else None  # type: ignore[operator]
-
-    proxy_part, d_part = span("proxy_received", "d_leg_sent"), span("api_received", "first_token")
-    ttft = proxy_part + d_part if proxy_part is not None and d_part is not None else None
-    tokens, cached = p.get("tokens"), p.get("cached_tokens")
-    return Outcome(ttft, span("p_api_received", "p_prefill_done"), d_part,
-                   tokens if isinstance(tokens, int) else None, cached if isinstance(cached, int) else None)

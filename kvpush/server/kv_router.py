@@ -21,10 +21,10 @@ from kvpush.server.kv_choice import (
     CostModel,
     Decision,
     Route,
-    outcome,
 )
 from kvpush.server.kv_fit import BusyMeter, LocalBudget
 from kvpush.server.kv_prefix import PrefixTracker, PromptKey
+from kvpush.server.kv_records import outcome
 
 
 class AutoRouter:
