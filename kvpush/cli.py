@@ -249,8 +249,9 @@ def add_auto_arguments(p: argparse.ArgumentParser) -> None:
                    help="--kv-mode auto: weight of the newest answer in a route's correction of its fitted TTFT "
                         "(the queue ahead left out) by its recent measured/fitted ratio, per prompt size class (0: off)")
     p.add_argument("--auto-switch-margin", type=non_negative_float, default=_default(ProxyConfig, "auto_switch_margin"),
-                   help="--kv-mode auto: another remote route replaces the one last chosen only when its cost is "
-                        "lower by more than this fraction (0: the cheapest always)")
+                   help="--kv-mode auto: another remote route replaces the one last chosen for prompts of the "
+                        "request's size class only when its cost is lower by more than this fraction "
+                        "(0: the cheapest always)")
     p.add_argument("--auto-busy-period", action="store_true",
                    help="--kv-mode auto: count the delay a prefill on P causes the requests behind it 1 / (1 - P's "
                         "busy fraction over --auto-local-window-s) times, at most 5, for the rest of P's busy period "

@@ -264,8 +264,9 @@ class ProxyConfig:
     # ties settled by measuring; 0: off (the default: replayed with --learn picked over 189 cells of 13 maps,
     # 0.2 scored 1.040 x the best fixed mode's TTFT p50 against 1.016 without; README "Replaying auto's cost model")
     auto_near_tie: float = 0.0
-    # --kv-mode auto: another remote route replaces the incumbent one (the remote route the last free choice
-    # between remote routes settled on) only when its cost is lower by more than this fraction (kv_choice.CostModel.cheapest):
+    # --kv-mode auto: another remote route replaces the incumbent one of the request's size class (the remote route
+    # the last free choice between remote routes settled on for that class) only when its cost is lower by more
+    # than this fraction (kv_choice.CostModel.cheapest):
     # remote routes differ by less than the fits' error on this machine; 0: plain cheapest
     auto_switch_margin: float = 0.2
     # --kv-mode auto: weight of the newest answer in a route's residual correction (the route's recent

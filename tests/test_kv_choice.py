@@ -8,7 +8,9 @@ import math
 import pytest
 
 from kvpush.server.kv_choice import (
-    AFTER_PRIORS,
+    AFTER_OFFSETS,
+    AFTER_PUSH,
+    AFTER_SLOPES,
     BUSY_MAX,
     EXPLORE_EVERY,
     EXPLORE_EVERY_LATER,
@@ -24,6 +26,7 @@ from kvpush.server.kv_fit import BusyMeter, LocalBudget, RouteFit
 from kvpush.server.kv_prefix import PrefixTracker, PromptKey
 from kvpush.server.kv_records import Outcome, outcome
 from kvpush.server.kv_router import AutoRouter
+from kvpush.server.proxy_legs import prefill_trace
 
 BS = 8
 PAIR = ("http://p", "http://d")
@@ -465,7 +468,7 @@ def test_a_route_that_slows_p_is_charged_for_the_requests_waiting_behind_it():
     assert d.route is Route.PUSH, d.estimates_s
     assert d.estimates_s["push-layerwise"] < d.estimates_s["push"]  # its own TTFT is still the shorter
     assert (d.to_json()["p_queue_tokens"], d.to_json()["d_queue_tokens"], d.to_json()["p_waiting"]) == (1536, 0, 3)
-    own_pl = m.p_time(Route.PUSH_LAYERWISE, d, 0.0) + 0.001  # its prefill, then P's answer (measured: 1 ms)
+    own_pl = m.p_time(Route.PUSH_LAYERWISE, d, 0.0) + m.after_s(Route.PUSH_LAYERWISE, d)  # its prefill, P's answer
     assert d.to_json()["costs_ms"]["push-layerwise"] == pytest.approx((d.estimates_s["push-layerwise"] + 3 * own_pl) * 1e3,
                                                                        abs=0.01)
 
@@ -791,26 +794,36 @@ def test_each_size_class_keeps_its_own_incumbent():
     assert incumbent_key(decision(tokens=1024, d_prefix=896)) != incumbent_key(long)
 
 
-def test_what_p_does_after_the_prefill_is_learned_per_route_and_charged_to_those_waiting_at_p():
-    """P's WRITE for push (P's core copies it here) holds P after the prefill; pull's READ does not.
-    Learned from P's prefill done -> answer per route, it is charged per request waiting at P, and
-    only there: with nobody waiting the two routes' costs are their estimates."""
+def test_ps_time_to_answer_is_learned_per_route_over_the_tokens_moved_and_charged_to_those_waiting_at_p():
+    """Push's WRITE, copied by P's core here, slows P's answer after the prefill; pull's READ does not.
+    Learned from P's prefill done -> answer per route against the tokens moved (the prompt less what D
+    had cached), it is charged per request waiting at P, and only there: with nobody waiting the two
+    routes' costs are their estimates. Push-layerwise, never measured, keeps its prior difference."""
     m = CostModel(switch_margin=0.0)
-    for route, after in ((Route.PUSH, 0.012), (Route.PULL, 0.001)):
-        for tokens in (256, 512, 1024) * 4:
-            d = Decision(route, tokens, 0, 0, 0, 0, 0, PAIR)
-            m.observe(d, Outcome(0.3, 0.25, None, tokens, 0, after * tokens / 1024))
-    assert m.after[Route.PUSH](1024) == pytest.approx(0.012, rel=1e-3)
-    assert m.after[Route.PULL](1024) == pytest.approx(0.001, rel=1e-3)
-    assert m.after[Route.PUSH_LAYERWISE](1024) == pytest.approx(sum(AFTER_PRIORS[Route.PUSH_LAYERWISE]) + 1023 * AFTER_PRIORS[Route.PUSH_LAYERWISE][1])
+    m.samples = dict.fromkeys(Route, 50)  # no exploring
+    for tokens, cached in ((256, 0), (768, 256), (1024, 0), (1536, 1024)) * 10:
+        for route, per_token in ((Route.PUSH, 12e-6), (Route.PULL, 1e-6)):
+            d = Decision(route, tokens, 128, cached, 0, 0, 0, PAIR)  # P held 128 tokens: not what moves
+            m.observe(d, Outcome(0.3, 0.25, None, tokens, cached, 0.001 + per_token * (tokens - cached)))
+    fresh, turn = decision(tokens=1024), decision(tokens=1536, d_prefix=512)  # both move 1,024 tokens
+    assert m.after_s(Route.PUSH, fresh) == pytest.approx(m.after_s(Route.PUSH, turn))  # what moves counts
+    # measured 13.3 and 2.0 ms at 1,024 tokens moved; the ridge towards the priors (push 5.4 ms, pull 1.6)
+    # keeps the fit within ~15% of it
+    assert m.after_s(Route.PUSH, fresh) == pytest.approx(0.001 + 12e-6 * 1024, rel=0.2)
+    assert m.after_s(Route.PULL, fresh) == pytest.approx(0.001 + 1e-6 * 1024, rel=0.2)
+    unmeasured = AFTER_OFFSETS["push-layerwise"] + AFTER_SLOPES["push-layerwise"] * 1024
+    pl_gap = m.after_s(Route.PUSH_LAYERWISE, fresh) - m.after_s(Route.PUSH, fresh)
+    assert pl_gap == pytest.approx(unmeasured, abs=0.001)  # its prior's difference from push
+    assert AFTER_PUSH[0] + AFTER_PUSH[1] * 1024 + unmeasured > 0
     idle = m.choose(decision(tokens=1024), (Route.PUSH, Route.PULL))
     assert idle.costs_s == idle.estimates_s
-    busy = m.choose(decision(tokens=1024, p_queue=2048), (Route.PUSH, Route.PULL))
+    busy = decision(tokens=1024, p_queue=2048)
     busy.p_waiting = 2
-    extra = {r.value: m.cost(r, busy) - busy.estimates_s[r.value] for r in (Route.PUSH, Route.PULL)}
-    p_own = {r.value: m.p_time(r, busy, 0.0) for r in (Route.PUSH, Route.PULL)}
-    assert extra["push"] == pytest.approx(2 * (p_own["push"] + 0.012), rel=1e-3)
-    assert extra["pull"] == pytest.approx(2 * (p_own["pull"] + 0.001), rel=1e-3)
+    m.choose(busy, (Route.PUSH, Route.PULL))
+    for r in (Route.PUSH, Route.PULL):
+        expected = 2 * (m.p_time(r, busy, 0.0) + m.after_s(r, busy))
+        assert busy.costs_s[r.value] - busy.estimates_s[r.value] == pytest.approx(expected, rel=1e-6)
+    assert m.after_s(Route.PUSH, busy) - m.after_s(Route.PULL, busy) > 0.008  # push's WRITE, per request waiting
 
 
 def test_outcome_reads_p_after_the_prefill_from_ps_own_stamps():
@@ -820,3 +833,14 @@ def test_outcome_reads_p_after_the_prefill_from_ps_own_stamps():
     assert out.p_after_s == pytest.approx(0.006) and out.p_time_s == pytest.approx(0.25)
     assert outcome({**trace, "p_answered": 80.2}, None).p_after_s is None  # stamps out of order: unmeasured
     assert outcome({k: v for k, v in trace.items() if k != "p_answered"}, None).p_after_s is None
+
+
+def test_ps_own_stamps_reach_the_outcome_under_the_names_the_proxy_gives_them():
+    """P's answer carries its engine's and API's stamps; the proxy renames them (proxy_legs.prefill_trace)
+    and merges them with D's: the outcome's P spans come from P's stamps alone."""
+    p_trace = {"api_received": 80.0, "arrived": 80.001, "prefill_done": 80.25, "api_answered": 80.256, "other": 1.0}
+    merged = {"proxy_received": 10.0, "d_leg_sent": 10.001, "api_received": 50.0, "first_token": 50.3,
+              **prefill_trace(p_trace)}
+    out = outcome(merged, None)
+    assert out.p_time_s == pytest.approx(0.25) and out.p_after_s == pytest.approx(0.006)
+    assert out.ttft_s == pytest.approx(0.301)

@@ -43,17 +43,20 @@ Learned fits, from every finished request's trace (decayed least squares):
                         push's rest 12 -> 30 ms from 0-2 to 6-8 requests decoding on D, fresh: 3 -> 9): in
                         one fit the moved tokens and the load cannot tell them apart, and the turns of a
                         sessions cell set the load slope a fresh cell after it is priced by
-    after[route]        P's prefill done -> its answer, vs tokens moved (a Line per remote route): what P
-                        does for the request after its prefill, push's WRITE above all (on one host P's
-                        core copies it: UCX's cma, the initiator copies; pull's READ is copied by D's)
+    after[route]        P's prefill done -> its answer vs tokens moved: one fit over every remote route
+                        (RouteFit without load or pairs; push the baseline, the others pulled towards their
+                        priors). P answers without waiting for the transfer, but push's WRITE, which on one
+                        host P's own core copies (UCX's cma: the initiator copies; pull's READ is copied by
+                        D's), competes on that core with the answer and with the next prefill alike: the
+                        span measures what the transfer takes from P, not the WRITE's own duration
     (TTFT = proxy received -> D's leg sent on the proxy's clock + D's api_received -> first token on
     D's: no two clocks are subtracted from each other, so it holds across hosts.)
 Estimates and costs (seconds):
     remote r:  prefill[r, P](p_queue + own, own) + rest[r, P, D](tokens - d_prefix), own = tokens - p_prefix;
                its cost adds how long it keeps P from the requests behind it: (prefill[r, P](own, own) +
-               after[r](tokens - d_prefix)) x p_waiting (in a FIFO queue a request leaves as many behind as it found ahead, on
-               average), with busy_period (--auto-busy-period) x 1 / (1 - min(p_busy, BUSY_MAX)): each
-               request left behind passes the delay on to the rest of P's busy period. Local's cost
+               after[r](tokens - d_prefix)) x p_waiting (in a FIFO queue a request leaves as many behind
+               as it found ahead, on average), with busy_period (--auto-busy-period) x 1 / (1 - min(p_busy,
+               BUSY_MAX)): each request left behind passes the delay on to the rest of P's busy period. Local's cost
                charges the stall it inflicts on D's decoding requests (below), so both sides carry a
                delay to others (local's leaves out the locals queued behind it on D and the KV
                landing there meanwhile): a request that stays off a busy P spares the
@@ -83,9 +86,11 @@ Estimates and costs (seconds):
 The cheapest route wins (`cheapest`): local when no remote route costs less; else among the remote
 routes one other than the incumbent of the request's size class (incumbent_key: the remote route the
 last free choice between remote routes settled on for that class; push at first; a forced, explored
-or tied decision leaves it) counts switch_margin dearer: remote routes differ by less than the fits' error where the link is fast, and the cheapest
-of noisy near-equal estimates is noise. With near_tie > 0 (off by default), a remote route whose cost is within near_tie of the
-cheapest's (a remote route) and that no decision took for TIE_EVERY decisions takes this one (`tied`).
+or tied decision leaves it) counts switch_margin dearer: remote routes differ by less than the fits'
+error where the link is fast, and the cheapest of noisy near-equal estimates is noise. Each class
+settles its own (a mix of many prompt lengths has many classes, each starting from push). With
+near_tie > 0 (off by default), a remote route whose cost is within near_tie of the cheapest's (a
+remote route) and that no decision took for TIE_EVERY decisions takes this one (`tied`).
 Every EXPLORE_EVERY-th decision (every EXPLORE_EVERY_LATER-th once each route has WELL_MEASURED
 samples and none has gone STALE_AFTER decisions without being taken) takes another route instead:
 the one with the fewest samples while some route has fewer than WELL_MEASURED, else the one taken
@@ -125,9 +130,11 @@ PRIOR_TOKENS_PER_CHAR = 0.25
 STALL_WEIGHT = ProxyConfig.auto_stall_weight
 BUSY_MAX = 0.8  # the busy fraction busy_factor takes at most (a factor of 5): near saturation the M/M/1 figure explodes
 
-
-# P's time after a remote route's prefill (CostModel.after): the priors' (intercept s, s per token moved)
-AFTER_PRIORS = {Route.PUSH: (0.0017, 3.6e-6), Route.PUSH_LAYERWISE: (0.0012, 0.7e-6), Route.PULL: (0.0014, 0.2e-6)}
+# P's prefill done -> answer (CostModel.after), the priors: push's line (s, s per token moved), and the other
+# routes' differences from it (offset s, slope s per token)
+AFTER_PUSH = (0.0017, 3.6e-6)
+AFTER_OFFSETS = {Route.PUSH_LAYERWISE.value: -0.0005, Route.PULL.value: -0.0003}
+AFTER_SLOPES = {Route.PUSH_LAYERWISE.value: -2.9e-6, Route.PULL.value: -3.4e-6}
 
 
 class CostModel:
@@ -156,10 +163,11 @@ class CostModel:
         # regime_full12b's auto runs its rest rose 3.4 ms per request decoding on D, push's 1.1 (ad hoc).
         self.rest, self.rest_hit = (RouteFit(remote, {Route.PUSH_LAYERWISE.value: 0.001, Route.PULL.value: 0.004},
                                              0.004, 1e-5, load_priors={Route.PULL.value: 0.002}) for _ in range(2))
-        # P's time after the prefill until it answers, vs the tokens moved (kv_outcome: push's WRITE on P's
-        # core; priors: medians at 128 and 1,024 tokens in the mixed cell's fixed-route runs, 24 a route,
-        # mixed_chunk19 to mixed_share19b, read ad hoc: push 2.2 / 5.4 ms, push-layerwise 1.3 / 1.9, pull 1.4 / 1.6)
-        self.after = {r: Line(a, b) for r, (a, b) in AFTER_PRIORS.items()}
+        # P's prefill done -> its answer vs the tokens moved, one fit over the remote routes as for P's prefill
+        # (kv_records.outcome: it grows with push's WRITE, which P's core copies here). Priors: medians at 128
+        # and 1,024 tokens of the mixed cell's fixed-route runs, 24 a route, mixed_chunk19 to mixed_share19b,
+        # read ad hoc: push 2.2 / 5.4 ms, push-layerwise 1.3 / 1.9, pull 1.4 / 1.6
+        self.after = RouteFit(remote, AFTER_OFFSETS, *AFTER_PUSH, slope_priors=AFTER_SLOPES)
         self.decisions = 0
         self.samples: dict[Route, int] = {r: 0 for r in Route}
         self.taken_at: dict[Route, int] = {r: 0 for r in Route}  # the decision that last took the route
@@ -217,10 +225,17 @@ class CostModel:
         return est
 
     def p_busy_s(self, route: Route, d: Decision) -> float:
-        """How long this request by `route` (remote) keeps P from the requests behind it: its prefill,
-        then what P does for it after (push's WRITE: on one host P's core copies it, while pull's READ
-        is copied by D's)."""
-        return self.p_time(route, d, 0.0) + self.after[route](d.tokens - d.d_prefix)
+        """How long this request by `route` (remote) keeps P from the requests behind it: its prefill, then
+        P's time to answer it (`after_s`)."""
+        return self.p_time(route, d, 0.0) + self.after_s(route, d)
+
+    def after_s(self, route: Route, d: Decision) -> float:
+        """P's prefill done -> its answer by `route` (remote). P answers without waiting for the transfer,
+        but on P's core: push's WRITE, which that core copies on one host (UCX's cma: the initiator copies;
+        pull's READ is copied by D's), competes with the answer and with the next prefill alike, so the span
+        grows with it. A measure of what the transfer takes from P, not the WRITE's own duration."""
+        moved = d.tokens - d.d_prefix
+        return self.after(moved, 0.0, route.value, ("", ""), moved)
 
     def busy_factor(self, d: Decision) -> float:
         """With busy_period: 1 / (1 - P's busy fraction, at most BUSY_MAX): each request its prefill leaves
@@ -263,8 +278,7 @@ class CostModel:
         self.taken_at[d.route] = self.decisions
         return d
 
-    def cheapest(self, allowed: tuple[Route, ...], costs: dict[str, float],
-                 key: tuple[int, bool] = (0, False)) -> Route:
+    def cheapest(self, allowed: tuple[Route, ...], costs: dict[str, float], key: tuple[int, bool]) -> Route:
         """Local if it is allowed and no remote route is cheaper (the margin plays no part there); else the
         remote route to take: the cheapest, a remote route other than the incumbent of the request's
         size class (`key`, incumbent_key: the remote route the last free choice between remote routes
@@ -284,7 +298,7 @@ class CostModel:
             self.incumbents[key] = best
         return best
 
-    def incumbent(self, key: tuple[int, bool] = (0, False)) -> Route | None:
+    def incumbent(self, key: tuple[int, bool]) -> Route | None:
         """The remote route requests of size class `key` settled on (push, the priors' first, until one did)."""
         return self.incumbents.get(key, Route.PUSH if Route.PUSH in self.routes else None)
 
@@ -337,14 +351,15 @@ class CostModel:
             self.prefill.add(d.p_queue + own, 0.0, out.p_time_s, d.route.value, (d.pair[0], ""), own)
             self.rest_fit(d).add(moved, d.d_running, max(out.ttft_s - out.p_time_s, 0.0), d.route.value, d.pair)
             if out.p_after_s is not None:
-                self.after[d.route].add(moved, out.p_after_s)
+                self.after.add(moved, 0.0, out.p_after_s, d.route.value, ("", ""), moved)
         est = d.estimates_s.get(d.route.value)
         if not (est and math.isfinite(est) and est > 0):
             return None
         queue = d.queue_s.get(d.route.value, 0.0)
         own, measured_own = est - queue, out.ttft_s - queue
         if own > 0 and measured_own > 0:  # the fits' error on the own part, without the correction made then
-            self.residual.add(residual_key(d.route, d), math.log(measured_own / own) + d.residuals.get(d.route.value, 0.0))
+            log_ratio = math.log(measured_own / own) + d.residuals.get(d.route.value, 0.0)
+            self.residual.add(residual_key(d.route, d), log_ratio)
         return out.ttft_s / est
 
 
@@ -367,8 +382,9 @@ def incumbent_key(d: Decision) -> tuple[int, bool]:
 
 
 def size_class(d: Decision) -> int:
-    """The size class of a request for the residual corrections: the larger of its uncached parts (on P
-    or on D) in tokens, to the nearest power of two (128, 512 and 2,048 tokens are two classes apart)."""
+    """The size class of a request for the residual corrections and the incumbents: the larger of its
+    uncached parts (on P or on D) in tokens, to the nearest power of two (128, 512 and 2,048 tokens are
+    two classes apart)."""
     return round(math.log2(max(d.tokens - min(d.p_prefix, d.d_prefix), 1.0)))
 
 

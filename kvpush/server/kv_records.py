@@ -56,7 +56,6 @@ class Decision:
                 "costs_ms": {r: round(s * 1e3, 2) for r, s in self.costs_s.items()}}
 
 
-
 @dataclass
 class Outcome:
     """What a finished request's answer says (None: not stamped)."""
@@ -66,18 +65,17 @@ class Outcome:
     d_time_s: float | None  # D's api_received -> first token
     prompt_tokens: int | None
     d_cached_tokens: int | None
-    p_after_s: float | None = None  # P's prefill done -> P's answer
+    p_after_s: float | None = None  # P's prefill done -> P's answer (P's clock)
 
 
 def outcome(trace: dict | None, prompt: dict | None) -> Outcome:
     """A finished request's Outcome from its merged kvpush_trace (the proxy's, P's p_-prefixed and D's
     stamps) and D's kvpush_prompt ({"tokens", "cached_tokens"}).
 
-    p_after_s is what P spends on the request after its prefill: for push the WRITE, which on one host
-    P's own core copies (UCX's cma transport: the initiator copies), then the answer; for push-layerwise
-    the last layers' WRITEs; for pull the answer alone (D's core copies its READ). A push whose D
-    registered only after the prefill also counts that wait, which is not P's work; D registers while P
-    prefills, so it is rare, and the fit it feeds is an average."""
+    p_after_s: P's prefill done -> P's answer, both on P's clock. P answers without waiting for the
+    transfer, but on a core it shares with push's WRITE (on one host UCX's cma has the initiator copy,
+    so P's core copies a WRITE and D's a READ): the span grows with what the transfer takes from P.
+    """
     t = trace if isinstance(trace, dict) else {}
     p = prompt if isinstance(prompt, dict) else {}
 

@@ -19,12 +19,10 @@ from kvpush.server.kv_choice import (
     STALL_WEIGHT,
     SWITCH_MARGIN,
     CostModel,
-    Decision,
-    Route,
 )
 from kvpush.server.kv_fit import BusyMeter, LocalBudget
 from kvpush.server.kv_prefix import PrefixTracker, PromptKey
-from kvpush.server.kv_records import outcome
+from kvpush.server.kv_records import Decision, Route, outcome
 
 
 class AutoRouter:

@@ -34,7 +34,7 @@ from kvpush import kv_params as kp
 from kvpush.config import KVMode, ProxyConfig
 from kvpush.server import proxy_batch
 from kvpush.server import responses as R
-from kvpush.server.kv_choice import Route
+from kvpush.server.kv_records import Route
 from kvpush.server.kv_router import AutoRouter
 from kvpush.server.proxy_legs import (
     DecodeUnavailable,

@@ -13,7 +13,7 @@ import aiohttp
 from aiohttp import web
 
 from kvpush.config import FirstToken, KVMode
-from kvpush.server.kv_choice import Decision
+from kvpush.server.kv_records import Decision
 from kvpush.server.proxy_pool import Instance
 
 log = logging.getLogger("kvpush.proxy")
