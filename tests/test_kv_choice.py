@@ -844,3 +844,20 @@ def test_ps_own_stamps_reach_the_outcome_under_the_names_the_proxy_gives_them():
     out = outcome(merged, None)
     assert out.p_time_s == pytest.approx(0.25) and out.p_after_s == pytest.approx(0.006)
     assert out.ttft_s == pytest.approx(0.301)
+
+
+def test_ps_queue_and_the_requests_own_tokens_have_slopes_of_their_own():
+    """A token queued at P when a request is dispatched is worth less than one of its own (the head of
+    the queue is partly prefilled by then): here 0.1 ms against 0.24. One slope for both (the fit before)
+    put every route's own part too low for long prompts, the more the more of its samples queued; two
+    slopes learn both."""
+    m = CostModel()
+    m.samples = dict.fromkeys(Route, 50)
+    for i in range(120):
+        tokens, queue = (128, 1024, 512)[i % 3], (0, 1024, 2048, 512)[i % 4]
+        d = Decision(Route.PUSH, tokens, 0, 0, queue, 0, 0, PAIR)
+        m.observe(d, Outcome(0.5, 0.01 + 0.00024 * tokens + 0.0001 * queue, None, tokens, 0))
+    d = decision(tokens=1024, p_queue=2048)
+    assert m.p_time(Route.PUSH, d, 0.0) == pytest.approx(0.01 + 0.00024 * 1024, rel=0.05)
+    assert m.p_queue_delay(d) == pytest.approx(0.0001 * 2048, rel=0.1)  # one slope for both: ~1.7x
+    assert m.prefill.slope() == pytest.approx(0.00024, rel=0.05)

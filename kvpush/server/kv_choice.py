@@ -22,9 +22,14 @@ Signals (all free for the proxy; no extra round trip):
                 at P they are many: counting them would keep D's prefill out exactly when it helps
 Learned fits, from every finished request's trace (decayed least squares):
     prefill[route, P]   P's api_received -> prefill done: one fit over every remote route (kv_fit.RouteFit),
-                        a + b (P's queue + own) + c[route] + k[route] own + e[P], own = the tokens P
-                        computes for this request: push-layerwise's layer hooks and per-layer WRITEs (and
-                        push's WRITE) run on P's core, so routes differ in P's time too; against push as
+                        a + b own + g queue + c[route] + k[route] own + h[route] queue + e[P], own = the
+                        tokens P computes for this request, queue = P's queue ahead of it (in QUEUE_UNITs):
+                        a queued token has a slope of its own (~0.6 of an own token's: the head of the
+                        queue is partly prefilled by the time this request waits behind it; one slope for
+                        both was too low for own tokens, which put push's estimates 4-9% under its TTFT
+                        and pull's, whose route terms absorbed the difference, at or over it).
+                        Push-layerwise's layer hooks and per-layer WRITEs (and push's WRITE) run on
+                        P's core, so routes differ in P's time too; against push as
                         the baseline, so that a route seldom taken keeps its difference from push (pulled
                         towards its prior as strongly as 2 samples would; prior, measured on this machine:
                         push-layerwise +3.3 ms + 6.3 us per token, pull as push) instead of drifting with
@@ -128,6 +133,8 @@ RESIDUAL_ALPHA = ProxyConfig.auto_residual_alpha
 SWITCH_MARGIN = ProxyConfig.auto_switch_margin
 PRIOR_TOKENS_PER_CHAR = 0.25
 STALL_WEIGHT = ProxyConfig.auto_stall_weight
+QUEUE_UNIT = 100.0  # tokens: P's queue enters its prefill fit in these units (the fit's load column: its ridge
+# weighs as RIDGE samples one unit apart, so small units keep the measured slope from the prior's pull)
 BUSY_MAX = 0.8  # the busy fraction busy_factor takes at most (a factor of 5): near saturation the M/M/1 figure explodes
 
 # P's prefill done -> answer (CostModel.after), the priors: push's line (s, s per token moved), and the other
@@ -155,8 +162,12 @@ class CostModel:
         # P's prefill per route, per P (priors: what push-layerwise's hooks cost P here: medians of P's
         # admitted -> prefill done in regime_full11's fixed-mode runs, +4.1 / 8.4 / 16.2 ms at 128 / 512 / 2,048
         # tokens, read ad hoc).
+        # x: the tokens P computes for the request, load: P's queue ahead of it in QUEUE_UNITs, each slope
+        # its own: a queued token is worth less than an own one once measured (the head of the queue is partly
+        # prefilled by the time this request waits behind it: 0.14 ms against 0.24 over mixed_class20b's
+        # answers, replayed ad hoc); the prior counts it as one
         self.prefill = RouteFit(remote, {Route.PUSH_LAYERWISE.value: 0.0033}, 0.005, 0.0004, half_life=50.0,
-                                slope_priors={Route.PUSH_LAYERWISE.value: 6.3e-6})
+                                slope_priors={Route.PUSH_LAYERWISE.value: 6.3e-6}, g0=0.0004 * QUEUE_UNIT)
         self.local = Line(0.005, 0.0004)
         # Priors: push first (its handover is the shortest measured), layer-wise, then pull; pull's grows
         # faster with D's load (it waits for D's steps to admit the request and post its READ): in
@@ -214,7 +225,7 @@ class CostModel:
     def p_time(self, route: Route, d: Decision, queue: float) -> float:
         """P's prefill of this request by `route` (a remote route) behind `queue` tokens."""
         own = d.tokens - d.p_prefix
-        return self.prefill(queue + own, 0.0, route.value, (d.pair[0], ""), own)
+        return self.prefill(own, queue / QUEUE_UNIT, route.value, (d.pair[0], ""), own)
 
     def cost(self, route: Route, d: Decision) -> float:
         est = d.estimates_s[route.value]
@@ -348,7 +359,7 @@ class CostModel:
                 self.local.add(d.d_queue + moved, out.d_time_s)
         elif out.p_time_s is not None:
             own = tokens - d.p_prefix
-            self.prefill.add(d.p_queue + own, 0.0, out.p_time_s, d.route.value, (d.pair[0], ""), own)
+            self.prefill.add(own, d.p_queue / QUEUE_UNIT, out.p_time_s, d.route.value, (d.pair[0], ""), own)
             self.rest_fit(d).add(moved, d.d_running, max(out.ttft_s - out.p_time_s, 0.0), d.route.value, d.pair)
             if out.p_after_s is not None:
                 self.after.add(moved, 0.0, out.p_after_s, d.route.value, ("", ""), moved)

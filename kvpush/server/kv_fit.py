@@ -69,8 +69,10 @@ class RouteFit:
 
     def __init__(self, routes: tuple[str, ...], priors: dict[str, float], a0: float, b0: float,
                  half_life: float = 30.0, min_samples: int = 4, slope_priors: dict[str, float] | None = None,
-                 load_priors: dict[str, float] | None = None) -> None:
+                 load_priors: dict[str, float] | None = None, g0: float = 0.0) -> None:
+        """g0: the prior of the shared load slope g (0: a steady load has no effect until measured)."""
         self.routes, self.priors, self.a0, self.b0, self.min_samples = routes, priors, a0, b0, min_samples
+        self.g0 = g0
         self.slope_priors = slope_priors or {}
         self.load_priors = load_priors or {}
         self.decay = 0.5 ** (1.0 / half_life)
@@ -129,7 +131,7 @@ class RouteFit:
             k = self.xtx.shape[0]
             ridge, prior = np.zeros(k), np.zeros(k)
             ridge[1], prior[1] = RIDGE * SLOPE_SCALE**2, self.b0  # all samples of one length: the prior slope
-            ridge[2] = RIDGE  # a steady load: no load effect
+            ridge[2], prior[2] = RIDGE, self.g0  # a steady load: its prior effect
             ridge[3 : self._pair0] = RIDGE
             ridge[self._pair0 :] = PAIR_RIDGE
             for i, r in enumerate(self.routes[1:]):
@@ -154,7 +156,8 @@ class RouteFit:
         if self.n < self.min_samples:
             prior = (self.priors.get(route, 0.0) + self.slope_priors.get(route, 0.0) * xr
                      + self.load_priors.get(route, 0.0) * max(load, 0.0))
-            return self.a0 + self.b0 * max(x, 0.0) + (0.0 if route == self.routes[0] else prior)
+            shared = self.a0 + self.b0 * max(x, 0.0) + self.g0 * max(load, 0.0)
+            return shared + (0.0 if route == self.routes[0] else prior)
         coef = self._solve()
         f = self._features(max(x, 0.0), load, route, pair, xr)
         if self.pair_n.get(pair, 0) < 2:  # an unmeasured pair: as the first pair
