@@ -57,8 +57,8 @@ Learned fits, from every finished request's trace (decayed least squares):
     (TTFT = proxy received -> D's leg sent on the proxy's clock + D's api_received -> first token on
     D's: no two clocks are subtracted from each other, so it holds across hosts.)
 Estimates and costs (seconds):
-    remote r:  prefill[r, P](p_queue + own, own) + rest[r, P, D](tokens - d_prefix), own = tokens - p_prefix;
-               its cost adds how long it keeps P from the requests behind it: (prefill[r, P](own, own) +
+    remote r:  prefill[r, P](own, p_queue) + rest[r, P, D](tokens - d_prefix), own = tokens - p_prefix;
+               its cost adds how long it keeps P from the requests behind it: (prefill[r, P](own, 0) +
                after[r](tokens - d_prefix)) x p_waiting (in a FIFO queue a request leaves as many behind
                as it found ahead, on average), with busy_period (--auto-busy-period) x 1 / (1 - min(p_busy,
                BUSY_MAX)): each request left behind passes the delay on to the rest of P's busy period. Local's cost

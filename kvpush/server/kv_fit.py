@@ -2,9 +2,10 @@
 
     Line        y = a + b x, decayed least squares (prefill time vs tokens, and the like)
     RouteFit    y = a + b x + g load + c[route] + k[route] xr + h[route] load + e[pair]: one decayed ridge
-                least squares over every route's samples, for P's prefill (x: P's queue + the request's
-                tokens, xr: its tokens, pair: P alone) and for the rest of a remote route's TTFT (x: tokens
-                moved, load: the requests decoding on D), so that a rising load raises every route's
+                least squares over every route's samples, for P's prefill (x = xr: the request's tokens,
+                load: P's queue ahead of it, pair: P alone), for P's time to answer after it (x = xr:
+                tokens moved) and for the rest of a remote route's TTFT (x: tokens moved, load: the
+                requests decoding on D), so that a rising load raises every route's
                 estimate, not only the one measured under it, and c, k, h, e are the differences between
                 routes and pairs, measured side by side against a fixed baseline route
     Residuals   log(measured / fitted) per key (auto: per route and prompt size class), an
