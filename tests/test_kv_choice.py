@@ -9,7 +9,6 @@ import pytest
 
 from kvpush.server.kv_choice import (
     AFTER_OFFSETS,
-    AFTER_PUSH,
     AFTER_SLOPES,
     BUSY_MAX,
     EXPLORE_EVERY,
@@ -804,7 +803,8 @@ def test_ps_time_to_answer_is_learned_per_route_over_the_tokens_moved_and_charge
     for tokens, cached in ((256, 0), (768, 256), (1024, 0), (1536, 1024)) * 10:
         for route, per_token in ((Route.PUSH, 12e-6), (Route.PULL, 1e-6)):
             d = Decision(route, tokens, 128, cached, 0, 0, 0, PAIR)  # P held 128 tokens: not what moves
-            m.observe(d, Outcome(0.3, 0.25, None, tokens, cached, 0.001 + per_token * (tokens - cached)))
+            p_time = 0.01 + 0.00024 * (tokens - 128)  # the same line for both routes
+            m.observe(d, Outcome(0.3 + p_time, p_time, None, tokens, cached, 0.001 + per_token * (tokens - cached)))
     fresh, turn = decision(tokens=1024), decision(tokens=1536, d_prefix=512)  # both move 1,024 tokens
     assert m.after_s(Route.PUSH, fresh) == pytest.approx(m.after_s(Route.PUSH, turn))  # what moves counts
     # measured 13.3 and 2.0 ms at 1,024 tokens moved; the ridge towards the priors (push 5.4 ms, pull 1.6)
@@ -814,16 +814,17 @@ def test_ps_time_to_answer_is_learned_per_route_over_the_tokens_moved_and_charge
     unmeasured = AFTER_OFFSETS["push-layerwise"] + AFTER_SLOPES["push-layerwise"] * 1024
     pl_gap = m.after_s(Route.PUSH_LAYERWISE, fresh) - m.after_s(Route.PUSH, fresh)
     assert pl_gap == pytest.approx(unmeasured, abs=0.001)  # its prior's difference from push
-    assert AFTER_PUSH[0] + AFTER_PUSH[1] * 1024 + unmeasured > 0
     idle = m.choose(decision(tokens=1024), (Route.PUSH, Route.PULL))
     assert idle.costs_s == idle.estimates_s
     busy = decision(tokens=1024, p_queue=2048)
     busy.p_waiting = 2
     m.choose(busy, (Route.PUSH, Route.PULL))
-    for r in (Route.PUSH, Route.PULL):
-        expected = 2 * (m.p_time(r, busy, 0.0) + m.after_s(r, busy))
-        assert busy.costs_s[r.value] - busy.estimates_s[r.value] == pytest.approx(expected, rel=1e-6)
-    assert m.after_s(Route.PUSH, busy) - m.after_s(Route.PULL, busy) > 0.008  # push's WRITE, per request waiting
+    charged = {r: busy.costs_s[r.value] - busy.estimates_s[r.value] for r in (Route.PUSH, Route.PULL)}
+    # 2 waiting x (P's prefill of 1,024 tokens, measured 256 ms, + P's time to answer, measured 13.3 / 2.0 ms)
+    assert charged[Route.PUSH] == pytest.approx(2 * (0.256 + 0.0133), rel=0.05)
+    assert charged[Route.PULL] == pytest.approx(2 * (0.256 + 0.002), rel=0.05)
+    # the routes' P prefills were measured alike: what tells their charges apart is push's WRITE on P
+    assert charged[Route.PUSH] - charged[Route.PULL] == pytest.approx(2 * (0.0133 - 0.002), rel=0.25)
 
 
 def test_outcome_reads_p_after_the_prefill_from_ps_own_stamps():
@@ -852,7 +853,6 @@ def test_ps_queue_and_the_requests_own_tokens_have_slopes_of_their_own():
     put every route's own part too low for long prompts, the more the more of its samples queued; two
     slopes learn both."""
     m = CostModel()
-    m.samples = dict.fromkeys(Route, 50)
     for i in range(120):
         tokens, queue = (128, 1024, 512)[i % 3], (0, 1024, 2048, 512)[i % 4]
         d = Decision(Route.PUSH, tokens, 0, 0, queue, 0, 0, PAIR)
@@ -861,3 +861,27 @@ def test_ps_queue_and_the_requests_own_tokens_have_slopes_of_their_own():
     assert m.p_time(Route.PUSH, d, 0.0) == pytest.approx(0.01 + 0.00024 * 1024, rel=0.05)
     assert m.p_queue_delay(d) == pytest.approx(0.0001 * 2048, rel=0.1)  # one slope for both: ~1.7x
     assert m.prefill.slope() == pytest.approx(0.00024, rel=0.05)
+
+
+def test_before_any_answer_a_queued_token_costs_p_what_one_of_its_own_does():
+    """P's prefill fit answers its priors until measured: a token queued ahead counts as one of the
+    request's own (g0 = b0 x QUEUE_UNIT), whatever the route."""
+    m = CostModel()
+    d = decision(tokens=512, p_queue=1000)
+    for r in (Route.PUSH, Route.PULL, Route.PUSH_LAYERWISE):
+        assert m.p_time(r, d, 1000.0) - m.p_time(r, d, 0.0) == pytest.approx(m.prefill.slope() * 1000)
+    assert m.p_queue_delay(d) == pytest.approx(m.prefill.slope() * 1000)
+
+
+def test_ps_queue_delay_is_never_negative_whatever_the_fit_learned():
+    """The queue slope is fitted unbounded (only the own tokens' slope is kept >= 0): samples where a
+    longer queue came with a shorter prefill fit a negative one, and the burst rule, which compares P's
+    queue delay with D's local prefill, must not read a negative delay."""
+    m = CostModel()
+    for i in range(60):
+        tokens, queue = (128, 1024)[i % 2], (0, 2048)[(i // 2) % 2]
+        d = Decision(Route.PUSH, tokens, 0, 0, queue, 0, 0, PAIR)
+        m.observe(d, Outcome(0.5, 0.2 + 0.0002 * tokens - 0.00005 * queue, None, tokens, 0))
+    d = decision(tokens=1024, p_queue=2048)
+    assert m.p_time(Route.PUSH, d, 2048.0) < m.p_time(Route.PUSH, d, 0.0)  # the fit: a negative slope
+    assert m.p_queue_delay(d) == 0.0

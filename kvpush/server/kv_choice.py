@@ -256,8 +256,8 @@ class CostModel:
 
     def p_queue_delay(self, d: Decision) -> float:
         """How long P's queue alone would hold this request: its prefill estimate with the tokens queued
-        there before it, less the same without them."""
-        return self.p_time(Route.PUSH, d, d.p_queue) - self.p_time(Route.PUSH, d, 0.0)
+        there before it, less the same without them (never below 0: the fit's queue slope is not bounded)."""
+        return max(self.p_time(Route.PUSH, d, d.p_queue) - self.p_time(Route.PUSH, d, 0.0), 0.0)
 
     def local_s(self, d: Decision) -> float:
         """D's prefill of this prompt's uncached part, without D's queue."""

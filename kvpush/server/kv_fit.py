@@ -23,7 +23,7 @@ import numpy as np
 RIDGE = 2.0
 PAIR_RIDGE = 0.1  # pairs differ by their links: barely pulled towards the first pair
 SLOPE_SCALE = 512.0  # tokens: the slope's prior weighs as much as RIDGE samples this far apart
-LOAD_SCALE = 4.0  # the same for a route's load slope: RIDGE samples this many requests apart
+LOAD_SCALE = 4.0  # the same for a route's load slope: RIDGE samples this many load units apart
 
 
 class Line:
@@ -60,13 +60,16 @@ class RouteFit:
     squares over the samples of every route, so that what all routes share (the line in x, the load)
     is learned from all of them, and c, k, h are the differences between routes measured side by
     side. `routes[0]` is the baseline (c = k = h = 0): a route seldom taken keeps its prior difference
-    from it instead of drifting with whichever route is taken most. xr (default x) is what the route's
-    own effect grows with (for P: the tokens P computes for this request, not its queue); h is how much
-    more the route grows with the load (pull's D admits the request and posts its READ between two of
-    its decode steps, push's D registered during the prefill: pull waits for D's steps more). Ridge:
-    c, k, h pulled towards their priors as strongly as RIDGE samples (k as RIDGE samples SLOPE_SCALE
-    tokens apart, h LOAD_SCALE requests apart), e towards the first pair only as PAIR_RIDGE samples
-    would (pairs differ by their links). Before min_samples samples it answers its priors."""
+    from it instead of drifting with whichever route is taken most. The load column is the caller's:
+    requests decoding on D for the rest fits, P's queue ahead in kv_choice.QUEUE_UNITs for P's prefill
+    fit (where x = xr = the tokens P computes for this request). xr (default x) is what the route's own
+    effect grows with; h is how much more the route grows with the load (pull's D admits the request
+    and posts its READ between two of its decode steps, push's D registered during the prefill: pull
+    waits for D's steps more). Ridge: b and g pulled towards b0 and g0 as strongly as RIDGE samples
+    SLOPE_SCALE tokens and one load unit apart, c, k, h towards their priors as RIDGE samples (k
+    SLOPE_SCALE tokens apart, h LOAD_SCALE load units apart), e towards the first pair only as
+    PAIR_RIDGE samples would (pairs differ by their links). Before min_samples samples it answers its
+    priors. b is kept >= 0 (refitted without it); g is not: callers clamp what they derive from it."""
 
     def __init__(self, routes: tuple[str, ...], priors: dict[str, float], a0: float, b0: float,
                  half_life: float = 30.0, min_samples: int = 4, slope_priors: dict[str, float] | None = None,
