@@ -214,9 +214,8 @@ class CostModel:
             line, uncached = self.local_line(), d.tokens - d.d_prefix
             alone = line(uncached)
             return max(line(d.d_queue + uncached) - alone, 0.0), alone
-        alone = self.p_time(route, d, 0.0)
-        queue = max(self.p_time(route, d, d.p_queue) - alone, 0.0)
-        return queue, alone + self.rest_fit(d)(d.tokens - d.d_prefix, d.d_running, route.value, d.pair)
+        own = self.p_time(route, d, 0.0) + self.rest_fit(d)(d.tokens - d.d_prefix, d.d_running, route.value, d.pair)
+        return self.p_queue_delay(d, route), own
 
     def rest_fit(self, d: Decision) -> RouteFit:
         """The rest fit for this request: fresh, or D holds a prefix of it (by the proxy's tracker)."""
@@ -254,10 +253,11 @@ class CostModel:
         requests per request left behind (M/M/1); without it, 1 (the requests left behind alone)."""
         return 1.0 / (1.0 - min(d.p_busy, BUSY_MAX)) if self.busy_period else 1.0
 
-    def p_queue_delay(self, d: Decision) -> float:
-        """How long P's queue alone would hold this request: its prefill estimate with the tokens queued
-        there before it, less the same without them (never below 0: the fit's queue slope is not bounded)."""
-        return max(self.p_time(Route.PUSH, d, d.p_queue) - self.p_time(Route.PUSH, d, 0.0), 0.0)
+    def p_queue_delay(self, d: Decision, route: Route = Route.PUSH) -> float:
+        """How long P's queue alone would hold this request by `route` (remote): its prefill estimate with
+        the tokens queued there before it, less the same without them (never below 0: the fit's queue
+        slope is not bounded)."""
+        return max(self.p_time(route, d, d.p_queue) - self.p_time(route, d, 0.0), 0.0)
 
     def local_s(self, d: Decision) -> float:
         """D's prefill of this prompt's uncached part, without D's queue."""
