@@ -15,13 +15,13 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	# torch first: a CPU build from local disk, so that nothing pulls CUDA wheels.
 	$(BIN)/pip install --quiet torch==$(TORCH_VERSION)
-	# nixl lean install (DESIGN.md section 4): no CUDA torch, no NVIDIA wheels.
+	# nixl lean install (docs/design.md section 4): no CUDA torch, no NVIDIA wheels.
 	$(BIN)/pip install --quiet --no-deps nixl==$(NIXL_VERSION) nixl-cu12==$(NIXL_VERSION)
 	$(BIN)/pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
 lint: install
-	$(BIN)/ruff check kvpush tests benchmarks
+	$(BIN)/ruff check kvpush tests benchmarks scripts
 	$(BIN)/mypy kvpush
 
 test: install lint

@@ -21,6 +21,7 @@ import statistics
 import torch
 from engine_throughput import kv_decode, kv_prefill  # run as a script: benchmarks/ is on sys.path
 
+from kvpush.bench.demo import ensure_model
 from kvpush.bench.stats import fmt_ci, p50, ratio_ci, verdict
 from kvpush.config import (
     CacheConfig,
@@ -30,9 +31,8 @@ from kvpush.config import (
     SchedulerConfig,
     default_model_dir,
 )
-from kvpush.demo import ensure_model
 from kvpush.engine.engine import LLMEngine
-from kvpush.native_memory import trim_heap
+from kvpush.engine.native_memory import trim_heap
 
 # trim=on: malloc_trim right before each timed workload of that variant, as the engine core does when idle
 SETTINGS = {"compile": ("on", "off", "auto"), "huge_pages": ("on", "off"), "trim": ("on", "off")}

@@ -37,7 +37,7 @@ from kvpush.argtypes import positive_int
 from kvpush.bench.report import request_values
 from kvpush.bench.stats import fmt_ci, p50, p99, ratio_ci, verdict
 from kvpush.bench.suite import idle_cpu_of
-from kvpush.launch import ServerProcess, free_port
+from kvpush.launcher.launch import ServerProcess, free_port
 
 PROBES = {  # name -> kvpush bench arguments
     "sequential": ["--request-rate", "inf", "--max-concurrency", "1", "--num-prompts", "20"],

@@ -26,11 +26,11 @@ import time
 
 import aiohttp
 
+from kvpush.bench.demo import ensure_model
 from kvpush.config import default_model_dir
-from kvpush.demo import ensure_model
-from kvpush.launch import ServerProcess, free_port
+from kvpush.launcher.launch import ServerProcess, free_port
+from kvpush.launcher.up import Deployment
 from kvpush.models.arch import load_arch_config
-from kvpush.server.up import Deployment
 
 MODES = ("colocated", "pull", "push", "push-layerwise")
 SERVE = ["--kv-timeout-s", "120", "--kv-lease-s", "120"]
@@ -147,7 +147,7 @@ def main() -> None:
     for link_name, gbps in links:
         link, bandwidth = None, None
         if gbps is not None:
-            from kvpush.netlink import LinkConfig, RateLimitedLink, measure_tcp_gbps
+            from kvpush.launcher.netlink import LinkConfig, RateLimitedLink, measure_tcp_gbps
 
             link = RateLimitedLink(LinkConfig(gbps=gbps)).start()
             bandwidth = measure_tcp_gbps(link) * 1e9 / 8

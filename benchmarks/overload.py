@@ -27,12 +27,12 @@ import sys
 from pathlib import Path
 
 from kvpush.bench.datasets import random_samples
+from kvpush.bench.demo import ensure_model
 from kvpush.bench.loadgen import LoadConfig, fetch_model, run_load
 from kvpush.bench.metrics import meets_slo, summarize, tpot_s
 from kvpush.bench.soak import process_figures
 from kvpush.bench.suite import Fleet, SuiteConfig
 from kvpush.config import default_model_dir
-from kvpush.demo import ensure_model
 
 SERVE_ARGS = "--torch-threads 1 --max-num-seqs 8 --max-num-batched-tokens 256 --max-waiting 4 --max-waiting-tokens 1024"
 SHED = (429, 503)

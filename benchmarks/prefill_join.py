@@ -24,9 +24,9 @@ import time
 import numpy as np
 import torch
 
+from kvpush.bench.demo import ensure_model
 from kvpush.bench.stats import clustered_ratio_ci, fmt_ci, p50, p99, verdict
 from kvpush.config import EngineConfig, ModelConfig, SchedulerConfig, default_model_dir
-from kvpush.demo import ensure_model
 from kvpush.engine.engine import LLMEngine
 from kvpush.engine.sampling_params import SamplingParams
 

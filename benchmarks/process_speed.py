@@ -26,9 +26,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kvpush.bench.calibrate import CalibrationConfig, probe  # noqa: E402
-from kvpush.bench.suite import Fleet, SuiteConfig, is_auto  # noqa: E402
+from kvpush.bench.demo import ensure_model  # noqa: E402
+from kvpush.bench.modes import is_auto  # noqa: E402
+from kvpush.bench.suite import Fleet, SuiteConfig  # noqa: E402
 from kvpush.config import default_model_dir  # noqa: E402
-from kvpush.demo import ensure_model  # noqa: E402
 
 MEASURES = ("step_ms", "batch_step_ms", "prefill_ms")
 

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import argparse
 
+from kvpush.bench.demo import ensure_model
 from kvpush.bench.suite import SuiteConfig, run_suite
 from kvpush.config import default_model_dir
-from kvpush.demo import ensure_model
 
 
 def main() -> None:

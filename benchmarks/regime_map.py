@@ -1,11 +1,11 @@
-"""The regime map (README "Where push wins and where it loses"): every mode side by side per cell.
+"""The regime map (docs/results/regime-map.md): every mode side by side per cell.
 
     python benchmarks/regime_map.py --quick                 # ~10 min: 512/32, loads 50/80%, no prefix / sessions
     python benchmarks/regime_map.py                         # the full grid (about an hour)
     sudo python benchmarks/regime_map.py --link-gbps 0.5    # and again with P and D over a 0.5 Gbit/s link
     sudo python benchmarks/regime_map.py --quick --link-gbps 0.25 --link-only   # only over the slow link
     python benchmarks/regime_map.py --mixed --result-dir kvpush-results/auto_mixed   # auto's target workload
-    python benchmarks/regime_map.py --report-only --readme README.md   # regenerate the README section
+    python benchmarks/regime_map.py --report-only --doc docs/results/regime-map.md   # regenerate its doc section
     python benchmarks/regime_map.py --confirm kvpush-results/regime_map --result-dir kvpush-results/confirm
         # rerun the cells where auto vs the best fixed mode had a verdict, 2 more runs each, pooled
     python benchmarks/regime_map.py --mixed --auto-variant 'w1=--auto-stall-weight 1'
@@ -25,11 +25,13 @@ regime_map.png under --result-dir.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import shlex
 import sys
 from pathlib import Path
 
+from kvpush.bench.demo import ensure_model
 from kvpush.bench.regime import (
     FORCED,
     GRIDS,
@@ -44,7 +46,6 @@ from kvpush.bench.regime_confirm import ConfirmError, confirm
 from kvpush.bench.regime_report import report
 from kvpush.bench.suite import split_variant_flags
 from kvpush.config import default_model_dir
-from kvpush.demo import ensure_model
 
 
 def parse_variants(ap: argparse.ArgumentParser, specs: list[str]) -> dict[str, list[str]]:
@@ -111,7 +112,9 @@ def main() -> None:
                          "2) per mode at the same rate, the verdicts recomputed over its runs and these pooled "
                          "(the screen's settings apply: only --repeats, --result-dir and --no-calibrate are used)")
     ap.add_argument("--report-only", action="store_true", help="only regenerate the report from the JSON")
-    ap.add_argument("--readme", type=Path, default=None, help="also rewrite this README's generated section")
+    ap.add_argument("--doc", "--readme", type=Path, default=None, dest="doc",
+                    help="also rewrite this Markdown file's generated section, e.g. docs/results/regime-map.md "
+                         "(--readme: the old name; default: none)")
     args = ap.parse_args()
     grid = "mixed" if args.mixed else "quick" if args.quick else "full"
     assert grid in GRIDS
@@ -168,7 +171,14 @@ def main() -> None:
             hint = " (with --same-processes the routes are auto@push, auto@pull, ...)" if args.same_processes else ""
             ap.error(f"--twin: {exc}{hint}")
         path = run_map(cfg)
-    print(report(path, args.readme, Path("docs/img/regime_map.png") if args.readme else None))
+    print(report(path, args.doc, _image_path(args.doc)))
+
+
+def _image_path(doc: Path | None) -> Path | None:
+    """docs/img/regime_map.png as the doc links it (relative to the doc's folder)."""
+    if doc is None:
+        return None
+    return Path(os.path.relpath(Path("docs/img/regime_map.png").resolve(), doc.resolve().parent))
 
 
 if __name__ == "__main__":

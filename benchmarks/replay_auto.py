@@ -49,8 +49,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kvpush.argtypes import non_negative_float, unit_fraction  # noqa: E402
 from kvpush.bench.regime import link_dir  # noqa: E402
-from kvpush.server.kv_choice import CostModel, Decision, Route  # noqa: E402
-from kvpush.server.kv_records import Outcome, outcome  # noqa: E402
+from kvpush.proxy.auto.choice import CostModel, Decision, Route  # noqa: E402
+from kvpush.proxy.auto.records import Outcome, outcome  # noqa: E402
 
 PAIR = ("p", "d")  # the regime map deploys 1P1D: one pair
 ROUTE_MODE = {"push": "push", "push-layerwise": "push-layerwise", "pull": "pull", "local": "colocated"}

@@ -29,9 +29,9 @@ from pathlib import Path
 import aiohttp
 
 from kvpush import LLM, SamplingParams
+from kvpush.bench.demo import ensure_model
 from kvpush.config import default_model_dir
-from kvpush.demo import ensure_model
-from kvpush.launch import ServerProcess, free_port
+from kvpush.launcher.launch import ServerProcess, free_port
 
 BS = 16
 

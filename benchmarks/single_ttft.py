@@ -20,11 +20,11 @@ import os
 import msgspec
 
 from kvpush.bench.datasets import random_samples
+from kvpush.bench.demo import ensure_model
 from kvpush.bench.interleave import paired_report, run_interleaved
 from kvpush.bench.suite import MODES, SPECIAL_IDS, Fleet, SuiteConfig
 from kvpush.bench.trace import analyze, format_critical_path
 from kvpush.config import default_model_dir
-from kvpush.demo import ensure_model
 
 
 def main() -> None:

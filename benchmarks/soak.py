@@ -18,10 +18,10 @@ import argparse
 import json
 from pathlib import Path
 
+from kvpush.bench.demo import ensure_model
 from kvpush.bench.soak import SoakConfig, plot, run_soak
 from kvpush.bench.suite import Fleet, SuiteConfig, measure_capacity
 from kvpush.config import default_model_dir
-from kvpush.demo import ensure_model
 
 
 def capacity(model: str, input_len: int, output_len: int, result_dir: str, seed: int) -> float:

@@ -16,9 +16,9 @@ import tempfile
 from pathlib import Path
 
 from kvpush import LLM, SamplingParams
+from kvpush.bench.demo import ensure_model
 from kvpush.bench.stale import BS, run_stale
 from kvpush.config import default_model_dir
-from kvpush.demo import ensure_model
 
 
 def main() -> int:

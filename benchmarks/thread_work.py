@@ -23,13 +23,13 @@ import random
 import aiohttp
 
 from kvpush.bench.datasets import random_samples
+from kvpush.bench.demo import ensure_model
 from kvpush.bench.stale import metric
 from kvpush.bench.stats import bootstrap_ci
 from kvpush.bench.suite import SPECIAL_IDS
 from kvpush.config import default_model_dir
-from kvpush.demo import ensure_model
-from kvpush.launch import free_port
-from kvpush.server.up import Deployment
+from kvpush.launcher.launch import free_port
+from kvpush.launcher.up import Deployment
 
 MODES = ("push", "pull")
 

@@ -38,7 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvpush.kv_cache import allocate_kv  # noqa: E402
+from kvpush.engine.kv_cache import allocate_kv  # noqa: E402
 from kvpush.transfer.descriptors import KVGeometry  # noqa: E402
 from kvpush.transfer.kv_agent import XferStatus  # noqa: E402
 from kvpush.transfer.nixl_agent import NixlTransferAgent  # noqa: E402
@@ -220,7 +220,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="cpu (DRAM, the default) or cuda[:N] (VRAM in both processes)")
     args = parser.parse_args()
     if args.device != "cpu":
-        from kvpush.device import resolve_device
+        from kvpush.engine.device import resolve_device
 
         args.device = str(resolve_device(args.device))  # a clear error without a GPU
     sizes = [int(s) for s in args.sizes.split(",")]

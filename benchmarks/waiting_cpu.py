@@ -23,12 +23,12 @@ import time
 import aiohttp
 
 from kvpush.bench.datasets import random_samples
+from kvpush.bench.demo import ensure_model
 from kvpush.bench.stats import bootstrap_ci, verdict
 from kvpush.bench.suite import SPECIAL_IDS
 from kvpush.config import default_model_dir
-from kvpush.demo import ensure_model
-from kvpush.launch import free_port
-from kvpush.server.up import Deployment
+from kvpush.launcher.launch import free_port
+from kvpush.launcher.up import Deployment
 
 _CPU = re.compile(r"^kvpush_kv_transfer_thread_cpu_seconds_total (\S+)$", re.M)
 _WAITING = re.compile(r'^kvpush_kv_transfers\{state="registered"\} (\S+)$', re.M)

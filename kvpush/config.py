@@ -284,7 +284,7 @@ def env_str(name: str, default: str | None = None) -> str | None:
 
 
 def ucx_environment(gpu: bool = False) -> dict[str, str]:
-    """UCX settings for processes that create NIXL agents (DESIGN.md section 4).
+    """UCX settings for processes that create NIXL agents (docs/design.md section 4).
 
     Values already set in the environment win, so a deployment can choose its transports. With GPU
     memory registered, the CUDA transports are allowed too.

@@ -56,7 +56,7 @@ def llama_model(tmp_path_factory) -> str:
 @pytest.fixture
 def server_factory(tmp_path):
     """Start `kvpush serve` processes on free loopback ports; all are stopped after the test."""
-    from kvpush.launch import ServerProcess, free_port
+    from kvpush.launcher.launch import ServerProcess, free_port
 
     started: list[ServerProcess] = []
 
@@ -77,7 +77,7 @@ def server_factory(tmp_path):
 @pytest.fixture(scope="module")
 def module_server(request, tmp_path_factory):
     """One colocated server on the tiny model for a whole test module (started lazily)."""
-    from kvpush.launch import ServerProcess, free_port
+    from kvpush.launcher.launch import ServerProcess, free_port
     from kvpush.models.make_model import make_model
 
     model = make_model(str(tmp_path_factory.mktemp("srvmodel") / "tiny"), preset="tiny", seed=0)
@@ -101,7 +101,7 @@ def reference(tiny_model):
     from kvpush_testing import BS, MAX_TOKENS
 
     from kvpush import LLM, SamplingParams
-    from kvpush.tokenizer import Tokenizer
+    from kvpush.models.tokenizer import Tokenizer
 
     llm = LLM(tiny_model, block_size=BS, num_blocks=512)
     tok = Tokenizer.from_pretrained(tiny_model)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvpush.bench.stale import post  # noqa: F401 - the tests' JSON POST helper
-from kvpush.launch import ServerProcess, free_port
+from kvpush.launcher.launch import ServerProcess, free_port
 
 BS = 8
 NO_CUDA = "no CUDA device"

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from kvpush_testing import SERVE, Cluster
 
-from kvpush.launch import ServerProcess, free_port
+from kvpush.launcher.launch import ServerProcess, free_port
 
 MODES = ("pull", "push", "push-layerwise", "auto")
 FIRST_TOKENS = ("recompute", "from-prefill")

@@ -13,8 +13,8 @@ from kvpush.engine.block_manager import BlockManager
 from kvpush.engine.request import Request
 from kvpush.engine.sampling_params import SamplingParams
 from kvpush.engine.scheduler import Scheduler
-from kvpush.server import messages as m
-from kvpush.server.engine_client import EngineClient
+from kvpush.instance import messages as m
+from kvpush.instance.engine_client import EngineClient
 
 BS = 4
 IDLE = Load(num_waiting=0, waiting_tokens=0, num_running=0, free_blocks=100, reserved_blocks=0, total_blocks=100)
@@ -123,7 +123,7 @@ def test_api_view_counts_requests_sent_since_the_last_stats():
 
 def test_api_refuse_tells_the_core():
     from kvpush.config import KVMode
-    from kvpush.kv_params import DecodeLegParams
+    from kvpush.protocol.kv_params import DecodeLegParams
 
     c, sent = client()
     leg = DecodeLegParams(transfer_id="t", mode=KVMode.PUSH, prefill_engine_id="prefill-0",
@@ -137,8 +137,8 @@ def test_engine_core_bounds_its_own_queue_and_refuses_the_leg():
     """The core decides again on its exact state: past the bound it answers 429 itself and its KV
     connector tells the peer, whatever the API process let through."""
     from kvpush.config import KVMode
-    from kvpush.kv_params import DecodeLegParams
-    from kvpush.server.engine_core import EngineCore
+    from kvpush.instance.engine_core import EngineCore
+    from kvpush.protocol.kv_params import DecodeLegParams
 
     bm = BlockManager(32, BS)
     s = Scheduler(SchedulerConfig(max_num_seqs=1), bm, max_model_len=256)
@@ -164,7 +164,7 @@ def test_engine_core_bounds_its_own_queue_and_refuses_the_leg():
 
 def test_a_decode_legs_prompt_is_not_prefill_work_here():
     from kvpush.config import KVMode
-    from kvpush.kv_params import DecodeLegParams
+    from kvpush.protocol.kv_params import DecodeLegParams
 
     c, _ = client()
     leg = DecodeLegParams(transfer_id="t", mode=KVMode.PUSH, prefill_engine_id="prefill-0",

@@ -48,7 +48,8 @@ def test_the_proxy_takes_autos_near_tie_and_residual_flags() -> None:
 
 
 def test_serve_takes_the_prefill_join_limit() -> None:
-    from kvpush.cli import build_parser, engine_config_from_args
+    from kvpush.cli import build_parser
+    from kvpush.flags import engine_config_from_args
 
     def config(*flags: str):
         return engine_config_from_args(build_parser().parse_args(["serve", "m", *flags])).scheduler
@@ -68,7 +69,7 @@ def test_serve_takes_the_prefill_join_limit() -> None:
 
 
 def test_kvpush_proxy_builds_its_config_with_the_auto_flags(monkeypatch: pytest.MonkeyPatch) -> None:
-    import kvpush.server.proxy as proxy
+    import kvpush.proxy.proxy as proxy
     from kvpush.cli import build_parser, cmd_proxy
 
     seen = []

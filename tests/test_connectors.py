@@ -19,7 +19,7 @@ from kvpush.engine.request import Request, RequestStatus
 from kvpush.engine.sampling_params import SamplingParams
 from kvpush.engine.scheduler import Scheduler
 from kvpush.errors import InvalidRequestError
-from kvpush.kv_params import DecodeLegParams, PrefillLegParams, PrefillResult
+from kvpush.protocol.kv_params import DecodeLegParams, PrefillLegParams, PrefillResult
 from kvpush.transfer import protocol as pr
 from kvpush.transfer.commands import Cancel, Hold, LayersDone, Register, SendNotif
 from kvpush.transfer.decode_connector import DecodeConnector
@@ -216,7 +216,7 @@ def test_prefill_holds_blocks_and_answers_with_its_result():
     assert r.status is RequestStatus.FINISHED_LENGTH and r.block_table == []
     (hold,) = rt.submitted
     assert isinstance(hold, Hold) and list(hold.block_ids) == blocks and hold.first_token_id == 77
-    result = r.kv_result
+    result = p.result(r)
     assert isinstance(result, PrefillResult) and result.block_ids == blocks and result.first_token_id == 77
     assert eng.blocks.num_free_blocks == NUM_BLOCKS - len(blocks)  # held until the transfer ends
     rt.post(FreeBlocks(blocks))

@@ -280,7 +280,7 @@ def test_bad_checkpoints(tmp_path, tiny_model):
 def test_cuda_without_a_gpu_is_a_clear_error(tiny_model):
     """--device cuda on a machine without one fails before anything starts, saying so."""
     from kvpush.cli import main
-    from kvpush.device import resolve_device
+    from kvpush.engine.device import resolve_device
     from kvpush.errors import DeviceError
 
     for bad, match in (("meta", "only cpu and cuda"), ("cuda:x", "not a device name")):

@@ -78,7 +78,7 @@ async def storm(c: Cluster, url: str, prompts: list[list[int]]) -> list[tuple[st
 @pytest.mark.parametrize("mode", ["push", "pull", "auto"])
 def test_fault_storm(tiny_model, tmp_path, mode):
     from kvpush import LLM, SamplingParams
-    from kvpush.tokenizer import Tokenizer
+    from kvpush.models.tokenizer import Tokenizer
 
     rng = random.Random(11)
     prompts = [prompt_of(rng.randint(1, 5 * BS), 1000 + i) for i in range(NUM_REQUESTS)]

@@ -251,7 +251,7 @@ def test_spoofed_and_malformed_notifications_are_ignored(make_cluster, tiny_mode
     import torch
 
     from kvpush.config import Role
-    from kvpush.kv_cache import KVLayout
+    from kvpush.engine.kv_cache import KVLayout
     from kvpush.models.arch import load_arch_config
     from kvpush.transfer import protocol as pr
     from kvpush.transfer.handshake import HandshakeInfo, compat_hash, compat_summary, pack, verify_and_decode

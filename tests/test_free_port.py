@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import socket
 
-from kvpush import launch
+from kvpush.launcher import launch
 
 
 def test_ports_are_distinct_bindable_and_below_the_ephemeral_range():

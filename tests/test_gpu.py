@@ -16,7 +16,7 @@ import pytest
 import torch
 from kvpush_testing import BS, SERVE, Cluster, completion, devices, metric, prompt_of
 
-from kvpush.launch import ServerProcess, free_port
+from kvpush.launcher.launch import ServerProcess, free_port
 
 pytestmark = pytest.mark.integration
 

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from kvpush.server.kv_choice import (
+from kvpush.proxy.auto.choice import (
     AFTER_OFFSETS,
     AFTER_SLOPES,
     BUSY_MAX,
@@ -21,11 +21,11 @@ from kvpush.server.kv_choice import (
     Route,
     incumbent_key,
 )
-from kvpush.server.kv_fit import BusyMeter, LocalBudget, RouteFit
-from kvpush.server.kv_prefix import PrefixTracker, PromptKey
-from kvpush.server.kv_records import Outcome, outcome
-from kvpush.server.kv_router import AutoRouter
-from kvpush.server.proxy_legs import prefill_trace
+from kvpush.proxy.auto.fit import BusyMeter, LocalBudget, RouteFit
+from kvpush.proxy.auto.prefix import PrefixTracker, PromptKey
+from kvpush.proxy.auto.records import Outcome, outcome
+from kvpush.proxy.auto.router import AutoRouter
+from kvpush.proxy.legs import prefill_trace
 
 BS = 8
 PAIR = ("http://p", "http://d")
@@ -559,7 +559,7 @@ def test_p_stays_busy_until_its_last_leg_is_answered_and_local_legs_leave_it_idl
 
 def test_the_proxy_hands_the_busy_period_switch_to_its_router():
     from kvpush.config import KVMode, ProxyConfig
-    from kvpush.server.proxy import Proxy
+    from kvpush.proxy.proxy import Proxy
 
     on = Proxy(ProxyConfig(prefill_urls=("http://p",), decode_urls=("http://d",), kv_mode=KVMode.AUTO,
                            auto_busy_period=True))

@@ -1,4 +1,4 @@
-"""The idle heap trim of the engine core (kvpush/native_memory.py)."""
+"""The idle heap trim of the engine core (kvpush/engine/native_memory.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import platform
 
 import pytest
 
-from kvpush import native_memory
-from kvpush.native_memory import IdleTrimmer, trim_heap
+from kvpush.engine import native_memory
+from kvpush.engine.native_memory import IdleTrimmer, trim_heap
 
 
 class Clock:
@@ -110,7 +110,7 @@ def test_kv_cache_is_advised_onto_huge_pages() -> None:
     the buffer is zeroed. (How many huge pages the kernel then grants depends on its free memory.)"""
     import torch
 
-    from kvpush.kv_cache import KVCache, KVLayout
+    from kvpush.engine.kv_cache import KVCache, KVLayout
 
     cache = KVCache(KVLayout(256, 4, 16, 2, 64, torch.float32))  # 16 MiB
     assert not cache.kv.any()

@@ -16,7 +16,7 @@ import urllib.request
 
 import pytest
 
-from kvpush.netlink import LinkConfig, LinkError, RateLimitedLink, measure_tcp_gbps
+from kvpush.launcher.netlink import LinkConfig, LinkError, RateLimitedLink, measure_tcp_gbps
 
 pytestmark = [
     pytest.mark.integration,
@@ -56,9 +56,9 @@ def test_link_teardown_on_error_is_idempotent() -> None:
 
 
 def test_push_deployment_over_limited_link(tmp_path) -> None:
-    from kvpush.launch import free_port
+    from kvpush.launcher.launch import free_port
+    from kvpush.launcher.up import Deployment
     from kvpush.models.make_model import make_model
-    from kvpush.server.up import Deployment
 
     model = make_model(str(tmp_path / "tiny"), preset="tiny", seed=0)
     serve_args = ["--block-size", "8", "--num-blocks", "256", "--torch-threads", "1"]

@@ -13,7 +13,7 @@ import pytest
 from kvpush_testing import BS, Cluster, completion, metric, post, prompt_of, wait_for
 from test_faults import all_free, metrics_all, no_live_transfers
 
-from kvpush.launch import ServerProcess, free_port
+from kvpush.launcher.launch import ServerProcess, free_port
 
 pytestmark = pytest.mark.integration
 

@@ -154,7 +154,7 @@ def cases(model: str, out: list[int], stop_text: str) -> dict[str, tuple[str, ob
 
 @pytest.fixture(scope="module")
 def case_table(tiny_model, greedy):
-    from kvpush.tokenizer import Tokenizer
+    from kvpush.models.tokenizer import Tokenizer
 
     tok = Tokenizer.from_pretrained(tiny_model)
     stop_text = next(t for t in (tok.decode([i]) for i in greedy[2:]) if t.strip())

@@ -7,7 +7,7 @@ import os
 import pytest
 
 from kvpush.cli import main
-from kvpush.placement import PlacementError, available_cpus, format_cpus, parse_cpus, split_halves
+from kvpush.launcher.placement import PlacementError, available_cpus, format_cpus, parse_cpus, split_halves
 
 
 @pytest.mark.parametrize("text, expected", [("0", (0,)), ("0-2,5", (0, 1, 2, 5)), (" 3 , 1-2 ", (1, 2, 3)),

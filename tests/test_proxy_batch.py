@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from kvpush.config import FirstToken
-from kvpush.server.proxy import first_token_for, prefill_body
-from kvpush.server.proxy_batch import batched_prompts, sum_usage
+from kvpush.proxy.batch import batched_prompts, sum_usage
+from kvpush.proxy.proxy import first_token_for, prefill_body
 
 C = "/v1/completions"
 

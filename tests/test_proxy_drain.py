@@ -13,11 +13,11 @@ import time
 import pytest
 from aiohttp import ClientSession, web
 
-from kvpush import kv_params as kp
 from kvpush.config import KVMode, ProxyConfig
-from kvpush.launch import free_port
-from kvpush.server import responses as R
-from kvpush.server.proxy import Proxy
+from kvpush.launcher.launch import free_port
+from kvpush.protocol import http as H
+from kvpush.protocol import kv_params as kp
+from kvpush.proxy.proxy import Proxy
 
 
 class Fake:
@@ -58,9 +58,9 @@ class Fake:
         self.hits += 1
         body = await request.json()
         if self.draining:
-            return R.error_response(503, "this instance is draining", code="draining")
+            return H.error_response(503, "this instance is draining", code="draining")
         if self.shed:
-            resp = R.error_response(429, "no capacity")
+            resp = H.error_response(429, "no capacity")
             resp.headers["Retry-After"] = "1"
             return resp
         self.plain += "kv_transfer_params" not in body

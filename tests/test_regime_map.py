@@ -125,7 +125,7 @@ def test_link_only_maps_the_slow_link_alone(tmp_path: Path, monkeypatch: pytest.
     """--link-only skips the full-speed grid; without a link the full grid runs regardless. (The links and
     fleets are stood in for: this checks which grids run, tests/test_netlink.py the link itself.)"""
     import kvpush.bench.regime as regime
-    import kvpush.netlink as netlink
+    import kvpush.launcher.netlink as netlink
 
     mapped: list[str] = []
     monkeypatch.setattr(regime, "map_link", lambda cfg, name, link, results, save, calibration: mapped.append(name))
@@ -338,7 +338,7 @@ def test_a_twin_reruns_its_mode_on_the_same_prompts_and_processes_and_is_an_aa_c
     assert bench_args(SuiteConfig(model="m"), "http://x", "auto@push#2", 1.0, 0).kv_route == "push"
     assert bench_args(SuiteConfig(model="m"), "http://x", "auto#2", 1.0, 0).kv_route is None
     from kvpush.bench.cli import write_run
-    from kvpush.bench.suite import is_auto
+    from kvpush.bench.modes import is_auto
 
     assert write_run({}, tmp_path, "auto#2", 1.0).name.startswith("auto-twin2-rate1")  # not auto+2's auto_2
     assert is_auto("auto#2") and is_auto("auto+w1#2") and not is_auto("auto@push") and not is_auto("push#2")

@@ -8,9 +8,10 @@ import pytest
 
 from kvpush.config import SchedulerConfig
 from kvpush.engine.block_manager import BlockManager
+from kvpush.engine.kv_connector import Admission
 from kvpush.engine.request import Request, RequestStatus
 from kvpush.engine.sampling_params import SamplingParams
-from kvpush.engine.scheduler import Admission, Scheduler
+from kvpush.engine.scheduler import Scheduler
 
 
 def make(num_blocks=64, block_size=4, budget=32, max_seqs=8, chunked=True) -> Scheduler:

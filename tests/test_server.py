@@ -95,7 +95,7 @@ def test_sixteen_concurrent_streams_equal_offline(module_server):
             return await asyncio.gather(*(one(s, p) for p in prompts))
 
     served = asyncio.run(main())
-    from kvpush.tokenizer import Tokenizer
+    from kvpush.models.tokenizer import Tokenizer
 
     tok = Tokenizer.from_pretrained(module_server.model_path)
     expected = [[tok.decode([t], skip_special_tokens=False) for t in o.token_ids] for o in offline]
@@ -179,7 +179,7 @@ def test_taken_port_exits_with_a_clear_message(tiny_model, tmp_path):
     started, must not keep the process alive (it used to wait for it forever)."""
     import socket
 
-    from kvpush.launch import ServerProcess, free_port
+    from kvpush.launcher.launch import ServerProcess, free_port
 
     taken = socket.socket()
     taken.bind(("127.0.0.1", free_port()))

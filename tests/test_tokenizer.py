@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from kvpush.errors import InvalidRequestError, ModelLoadError
 from kvpush.models.make_model import make_model
-from kvpush.tokenizer import IncrementalDetokenizer, Tokenizer
+from kvpush.models.tokenizer import IncrementalDetokenizer, Tokenizer
 
 TEXTS = [
     "Hello, world!",

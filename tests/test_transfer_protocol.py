@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpush import kv_params as kp
 from kvpush.config import FirstToken, KVMode, Role
 from kvpush.errors import HandshakeError, ProtocolError, TransferError
-from kvpush.kv_params import PROTOCOL_VERSION, DecodeLegParams, PrefillLegParams, PrefillResult
+from kvpush.protocol import kv_params as kp
+from kvpush.protocol.kv_params import PROTOCOL_VERSION, DecodeLegParams, PrefillLegParams, PrefillResult
 from kvpush.transfer import handshake as hs
 from kvpush.transfer import protocol as pr
 from kvpush.transfer.protocol import (

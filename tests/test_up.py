@@ -12,7 +12,7 @@ import urllib.request
 
 import pytest
 
-from kvpush.launch import free_port
+from kvpush.launcher.launch import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -85,13 +85,13 @@ def test_up_starts_serves_and_stops_cleanly(tiny_model, tmp_path, sig, mode):
 
 def test_up_hands_the_auto_flags_to_its_proxy(monkeypatch: pytest.MonkeyPatch):
     """`kvpush up --auto-...` goes to the proxy (every other unknown flag goes to each `kvpush serve`)."""
-    import kvpush.server.up as up
-    from kvpush import cli
+    import kvpush.launcher.up as up
+    from kvpush import cli, flags
 
     seen: dict[str, list[str]] = {}
     monkeypatch.setattr(up, "run_up", lambda model, p, d, mode, port, serve_args, proxy_args, **kw:
                         seen.update(serve=serve_args, proxy=proxy_args) or 0)
-    args, serve_args = cli.up_parser().parse_known_args(
+    args, serve_args = flags.up_parser().parse_known_args(
         ["m", "--kv-mode", "auto", "--auto-local-share", "0.1", "--auto-stall-weight", "2", "--torch-threads", "1"])
     assert cli.cmd_up(args, serve_args) == 0
     proxy = seen["proxy"]
@@ -99,6 +99,6 @@ def test_up_hands_the_auto_flags_to_its_proxy(monkeypatch: pytest.MonkeyPatch):
     assert seen["serve"] == ["--torch-threads", "1"]
     assert cli.build_parser().parse_args(["proxy", "--prefill", "u", "--decode", "v", *proxy]).auto_local_share == 0.1
     assert "--auto-busy-period" not in proxy  # a switch left off is not passed
-    args, serve_args = cli.up_parser().parse_known_args(["m", "--kv-mode", "auto", "--auto-busy-period"])
+    args, serve_args = flags.up_parser().parse_known_args(["m", "--kv-mode", "auto", "--auto-busy-period"])
     assert cli.cmd_up(args, serve_args) == 0
     assert cli.build_parser().parse_args(["proxy", "--prefill", "u", "--decode", "v", *seen["proxy"]]).auto_busy_period

@@ -8,12 +8,12 @@ from typing import Any
 
 import pytest
 
-from kvpush import kv_params as kp
 from kvpush.errors import InvalidRequestError
-from kvpush.server import vllm_compat as V
-from kvpush.server.generation import EngineRequestError
-from kvpush.server.messages import EngineStats
-from kvpush.server.metrics import ServerMetrics
+from kvpush.instance import vllm_compat as V
+from kvpush.instance.generation import EngineRequestError
+from kvpush.instance.messages import EngineStats
+from kvpush.instance.metrics import ServerMetrics
+from kvpush.protocol import kv_params as kp
 
 
 def _typed(leg: object, cls: type) -> Any:
@@ -153,7 +153,7 @@ def test_metrics_under_vllm_names():
 
 def test_up_behind_vllm_router_needs_the_binary(monkeypatch):
     from kvpush.errors import KVPushError
-    from kvpush.server import up
+    from kvpush.launcher import up
 
     monkeypatch.setattr(up.shutil, "which", lambda name: None)
     monkeypatch.setattr(up.os, "access", lambda path, mode: False)

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from kvpush_testing import SERVE, Cluster, post, wait_for
 
-from kvpush.launch import ServerProcess, free_port
+from kvpush.launcher.launch import ServerProcess, free_port
 
 pytestmark = pytest.mark.integration
 ROUTER = "vllm-router==0.1.17"

@@ -32,7 +32,7 @@ import numpy as np
 
 from kvpush.bench.datasets import Sample
 from kvpush.bench.loadgen import LoadConfig, run_load_sync
-from kvpush.bench.modes import parse
+from kvpush.bench.modes import is_auto, parse
 from kvpush.errors import KVPushError
 
 if TYPE_CHECKING:
@@ -114,7 +114,6 @@ def calibrate(fleet: Fleet, cfg: CalibrationConfig, seed: int = 0) -> list[dict[
     """Probe every endpoint of the fleet, restart the slow deployments, probe again (see the module
     docstring). Returns one record per round: {"probes": {mode: {step_ms, prefill_ms}}, "slow": {mode:
     why}, "restarted": [modes]}."""
-    from kvpush.bench.suite import is_auto  # suite imports this module
 
     rng = np.random.default_rng(seed + 7_777)
     targets = [m for m in fleet.urls if parse(m).own_deployment]

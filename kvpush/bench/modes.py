@@ -49,3 +49,15 @@ def base(mode: str) -> str:
 
 def is_twin(mode: str) -> bool:
     return parse(mode).twin > 0
+
+
+def variant_name(mode: str) -> str | None:
+    """NAME of the auto variant whose deployment serves the mode (auto+NAME, also forced or twinned), else None."""
+    deployment = parse(mode).deployment
+    return deployment.split("+", 1)[1] if deployment.startswith("auto+") else None
+
+
+def is_auto(mode: str) -> bool:
+    """auto or a variant of it (auto+NAME), twinned or not: a deployment whose proxy chooses the route."""
+    name = parse(mode)
+    return name.route is None and (name.deployment == "auto" or variant_name(mode) is not None)

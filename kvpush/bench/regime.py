@@ -30,7 +30,7 @@ import numpy as np
 
 from kvpush.bench import cli as bench_cli
 from kvpush.bench.calibrate import CalibrationConfig, calibrate
-from kvpush.bench.modes import base, is_twin, parse
+from kvpush.bench.modes import base, is_twin, parse, variant_name
 from kvpush.bench.report import mode_ratio_ci_paired, request_values
 from kvpush.bench.stats import Stat, fmt_ci, p50, p99, verdict
 from kvpush.bench.suite import (
@@ -39,7 +39,6 @@ from kvpush.bench.suite import (
     bench_args,
     measure_capacity,
     reset_prefix_caches,
-    variant_name,
 )
 
 MODES = ("colocated", "pull", "push", "push-layerwise", "auto")
@@ -343,7 +342,7 @@ def map_link(cfg: MapConfig, link_name: str, link: Any, results: list[dict], sav
 
 def open_link(gbps: float) -> Any:
     """P and D's rate-limited link (root only); the caller closes it."""
-    from kvpush.netlink import LinkConfig, RateLimitedLink, require_root
+    from kvpush.launcher.netlink import LinkConfig, RateLimitedLink, require_root
 
     require_root()
     return RateLimitedLink(LinkConfig(gbps=gbps)).start()

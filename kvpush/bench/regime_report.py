@@ -1,5 +1,5 @@
 """The regime map's report: a Markdown table per cell, heatmaps of the push/pull and auto/best ratios,
-and the README section ("Where push wins and where it loses") generated from regime_map.json.
+and the generated section of docs/results/regime-map.md, from regime_map.json.
 
 Every statement in the generated text names the cells behind it; a ratio whose 95% interval spans
 1.0 is "cannot tell" and is never counted for either side, nor is a "screen" (beyond 1.0 on fewer runs a
@@ -15,12 +15,12 @@ from pathlib import Path
 from typing import Any
 
 from kvpush.bench.calibrate import CalibrationConfig
+from kvpush.bench.modes import variant_name
 from kvpush.bench.regime import MIN_RUNS
-from kvpush.bench.suite import variant_name
 
 
 def markers(grid: str) -> tuple[str, str]:
-    """The README lines around one grid's generated section (each grid has its own)."""
+    """The doc's lines around one grid's generated section (each grid has its own)."""
     return f"<!-- regime-map:{grid}:begin -->", f"<!-- regime-map:{grid}:end -->"
 
 
@@ -332,35 +332,36 @@ def calibration_lines(doc: dict[str, Any]) -> list[str]:
             + (f"; still slow after its restarts, measured as it was: {'; '.join(kept)}" if kept else "") + "."]
 
 
-def update_readme(readme: Path, text: str, grid: str) -> None:
+def update_doc(doc_path: Path, text: str, grid: str) -> None:
     """Replace the grid's generated section between its markers (appended at the end the first time)."""
-    body = readme.read_text()
+    body = doc_path.read_text()
     begin, end = markers(grid)
     if begin in body and end in body:
         head, rest = body.split(begin, 1)
         body = head + text + rest.split(end, 1)[1]
     else:
         body = body.rstrip("\n") + "\n\n" + text + "\n"
-    readme.write_text(body)
+    doc_path.write_text(body)
 
 
-def report(path: Path, readme: Path | None = None, image: Path | None = None) -> str:
-    """regime_map.md (and PNG) next to the JSON; with `readme`, its generated section too (the PNG
-    copied to `image`, a path relative to the README's folder, e.g. docs/img/regime_map.png)."""
+def report(path: Path, doc_path: Path | None = None, image: Path | None = None) -> str:
+    """regime_map.md (and PNG) next to the JSON; with `doc_path`, its generated section too (the PNG
+    copied to `image`, a path relative to the doc's folder, e.g. ../img/regime_map.png for
+    docs/results/regime-map.md)."""
     doc = json.loads(path.read_text())
     name = section_name(doc["config"])
     png = heatmaps(doc, path.parent)
     link = str(png) if png else None
-    if png is not None and readme is not None and image is not None:
+    if png is not None and doc_path is not None and image is not None:
         image = image.with_name(f"regime_map_{name}.png")
-        target = readme.parent / image
+        target = doc_path.parent / image
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_bytes(png.read_bytes())
         link = str(image)
     text = section(doc, link)
     (path.parent / "regime_map.md").write_text(text + "\n")
-    if readme is not None:
-        update_readme(readme, text, name)
+    if doc_path is not None:
+        update_doc(doc_path, text, name)
     return text
 
 

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvpush.launch import ServerProcess, free_port
+from kvpush.launcher.launch import ServerProcess, free_port
 
 BS = 8
 Reference = Callable[[list[int], int], str]  # (prompt token ids, max_tokens) -> colocated greedy text

@@ -22,13 +22,14 @@ from typing import TYPE_CHECKING
 
 from kvpush.bench import cli as bench_cli
 from kvpush.bench.calibrate import CalibrationConfig, calibrate
-from kvpush.bench.modes import parse
+from kvpush.bench.modes import parse, variant_name
 from kvpush.bench.report import compare, format_handover, format_phases, format_table, load_run
-from kvpush.launch import ServerProcess, free_port
-from kvpush.server.up import Deployment
+from kvpush.flags import add_auto_arguments, add_scheduler_arguments, scheduler_config_from_args
+from kvpush.launcher.launch import ServerProcess, free_port
+from kvpush.launcher.up import Deployment
 
 if TYPE_CHECKING:
-    from kvpush.netlink import RateLimitedLink
+    from kvpush.launcher.netlink import RateLimitedLink
 
 MODES = ("colocated", "pull", "push")
 SPECIAL_IDS = "0,1,2"
@@ -54,7 +55,7 @@ class SuiteConfig:
     capacity_fractions: tuple[float, ...] = ()
     capacity_prompts: int = 48
     progress: bool = False
-    pin: bool = False  # P and D on separate halves of the cores (see kvpush.placement)
+    pin: bool = False  # P and D on separate halves of the cores (see kvpush.launcher.placement)
     auto_proxy_args: list[str] = field(default_factory=list)  # extra `kvpush proxy` flags of the auto deployment
     # auto+NAME modes: a deployment of its own each, an auto proxy with auto_proxy_args and then these flags
     # (its --auto-* ones; scheduler flags among them go to its instances after serve_args: split_variant_flags)
@@ -62,25 +63,10 @@ class SuiteConfig:
     calibrate: bool = False  # run_suite: check the processes first, restart a slow one (bench/calibrate.py)
 
 
-def variant_name(mode: str) -> str | None:
-    """NAME of the auto variant whose deployment serves the mode (auto+NAME, also forced or twinned), else None."""
-    deployment = parse(mode).deployment
-    return deployment.split("+", 1)[1] if deployment.startswith("auto+") else None
-
-
-def is_auto(mode: str) -> bool:
-    """auto or a variant of it (auto+NAME), twinned or not: a deployment whose proxy chooses the route."""
-    name = parse(mode)
-    return name.route is None and (name.deployment == "auto" or variant_name(mode) is not None)
-
-
 def split_variant_flags(flags: list[str]) -> tuple[list[str], list[str]]:
     """An auto variant's flags -> (the proxy's --auto-* flags, the instances' scheduler flags), each in
     the order given. Raises ValueError naming a flag that is neither, or a value a parser or
     SchedulerConfig refuses (as `kvpush serve` would at start)."""
-    # lazily: kvpush.cli imports the bench
-    from kvpush.cli import add_auto_arguments, add_scheduler_arguments, scheduler_config_from_args
-
     proxy_parser, serve_parser = (argparse.ArgumentParser(add_help=False, exit_on_error=False, allow_abbrev=False)
                                   for _ in range(2))
     add_auto_arguments(proxy_parser)

@@ -18,18 +18,18 @@ import msgspec
 import torch
 
 from kvpush.config import EngineConfig, SchedulerConfig, apply_native_cache_environment
-from kvpush.device import resolve_device
 from kvpush.engine.block_manager import BlockManager
+from kvpush.engine.device import resolve_device
+from kvpush.engine.kv_cache import KVCache, KVLayout
 from kvpush.engine.kv_connector import EngineHooks, KVConnector
 from kvpush.engine.model_runner import ModelRunner
 from kvpush.engine.prompt_check import check_prompt
-from kvpush.engine.request import Request, RequestStatus, TokenLogprob
-from kvpush.engine.sampling_params import SamplingParams
+from kvpush.engine.request import Request, RequestStatus
+from kvpush.engine.sampling_params import SamplingParams, TokenLogprob
 from kvpush.engine.scheduler import Scheduler
 from kvpush.errors import InvalidRequestError
-from kvpush.kv_cache import KVCache, KVLayout
-from kvpush.kv_params import PrefillResult, RequestLegParams
 from kvpush.models.loader import load_model
+from kvpush.protocol.kv_params import PrefillResult, RequestLegParams
 
 
 @dataclass
@@ -180,9 +180,13 @@ class LLMEngine:
             num_cached_tokens=request.num_cached_tokens,
             error=request.error,
             shed=request.shed,
-            kv_transfer_params=request.kv_result if request.is_finished else None,
+            kv_transfer_params=self._kv_result(request),
             trace=dict(request.trace) if request.is_finished else None,
         )
+
+
+    def _kv_result(self, request: Request) -> PrefillResult | None:
+        return self.connector.result(request) if request.is_finished and self.connector is not None else None
 
 
 # Prompt tokens a prefill may have to join a step that computes another one, on a CPU: about what one

@@ -17,15 +17,29 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from enum import StrEnum
+from typing import TYPE_CHECKING
 
 import torch
 
-from kvpush.engine.block_manager import BlockManager
-from kvpush.engine.model_runner import ModelRunner
-from kvpush.engine.request import Request, RequestStatus, TokenLogprob
-from kvpush.engine.scheduler import Admission, Scheduler
-from kvpush.kv_cache import KVCache
-from kvpush.kv_params import RequestLegParams
+from kvpush.engine.request import Request, RequestStatus
+from kvpush.engine.sampling_params import TokenLogprob
+from kvpush.protocol.kv_params import PrefillResult, RequestLegParams
+
+if TYPE_CHECKING:  # EngineHooks wraps them; the scheduler imports Admission from here
+    from kvpush.engine.block_manager import BlockManager
+    from kvpush.engine.kv_cache import KVCache
+    from kvpush.engine.model_runner import ModelRunner
+    from kvpush.engine.scheduler import Scheduler
+
+
+class Admission(StrEnum):
+    """What the admission hook decides for the head of the waiting queue."""
+
+    RUN = "run"  # schedule it now (if budget and blocks allow)
+    WAIT = "wait"  # not yet: it stays at the head, nothing behind it is admitted this step
+    PARK = "park"  # its blocks are allocated and its KV comes from a peer: WAITING_FOR_REMOTE_KV
+    REJECT = "reject"  # it cannot run (request.error says why): finished with an error
 
 
 class EngineHooks:
@@ -125,6 +139,11 @@ class KVConnector(ABC):
         """Called when the request leaves the scheduler, before its blocks are freed. Returns True if
         the connector took over the request's blocks (then it emptied `request.block_table`)."""
         return False
+
+    def result(self, request: Request) -> PrefillResult | None:
+        """Called by the engine as it reports a finished request (after `on_finished`): what goes back
+        to the caller as the request's kv_transfer_params (P: where its held KV is). None: nothing."""
+        return None
 
     @abstractmethod
     def poll(self) -> list[Request]:

@@ -14,12 +14,12 @@ import torch
 
 from kvpush.config import CompileMode
 from kvpush.engine import compiler
+from kvpush.engine.kv_cache import KVCache
 from kvpush.engine.request import Request
 from kvpush.engine.sampling_params import SamplingParams
-from kvpush.kv_cache import KVCache
 from kvpush.layers.attention import AttentionMetadata, PrefillSeq
 from kvpush.layers.cpu_kernels import PagedDecode, paged_decode_kernel
-from kvpush.layers.sampler import sample
+from kvpush.layers.sampler import SamplingRow, sample
 from kvpush.models.decoder import CausalLM
 
 
@@ -74,8 +74,12 @@ class ModelRunner:
         batch = self.prepare(scheduled)
         logits = self.model(batch.input_ids, batch.positions, batch.meta, self.cache, batch.logit_rows,
                             self.layer_hook)  # [S, vocab]
-        tokens = sample(logits.cpu(), batch.sampled, self.generator)
-        return {r.request_id: t for r, t in zip(batch.sampled, tokens, strict=True)}
+        rows = [SamplingRow(r.sampling_params, r.num_output_tokens, r.generator) for r in batch.sampled]
+        out = sample(logits.cpu(), rows, self.generator)
+        for request, logprob in zip(batch.sampled, out.logprobs, strict=True):
+            if logprob is not None:
+                request.output_logprobs.append(logprob)
+        return {r.request_id: t for r, t in zip(batch.sampled, out.tokens, strict=True)}
 
     def prepare(self, scheduled: list[tuple[Request, int]]) -> ModelInput:
         bs = self.block_size

@@ -20,8 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvpush.engine.sampling_params import SamplingParams
-from kvpush.kv_params import PrefillResult
+from kvpush.engine.sampling_params import SamplingParams, TokenLogprob
 
 
 class RequestStatus(enum.Enum):
@@ -51,13 +50,6 @@ _FINISHED = {
 }
 
 
-@dataclass
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]
-
-
 @dataclass(eq=False)
 class Request:
     request_id: str
@@ -79,8 +71,6 @@ class Request:
     trace: dict[str, float] = field(default_factory=dict)
     # Opaque per-request state of the KV connector (decode/prefill roles), owned by the connector.
     kv_state: object | None = None
-    # What the connector returns to the caller when the request ends (P: its PrefillResult).
-    kv_result: PrefillResult | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -1,6 +1,8 @@
-"""Sampling parameters of one request, validated at construction."""
+"""Sampling parameters of one request, validated at construction, and what sampling returns per token."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import msgspec
 
@@ -48,3 +50,12 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
 def _check(ok: bool, message: str, param: str) -> None:
     if not ok:
         raise InvalidRequestError(message, param=param)
+
+
+@dataclass
+class TokenLogprob:
+    """One sampled token's log-probability and the top alternatives (OpenAI `logprobs`)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, logprob), most likely first

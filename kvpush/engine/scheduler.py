@@ -30,20 +30,11 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from enum import StrEnum
 
 from kvpush.config import SchedulerConfig
 from kvpush.engine.block_manager import BlockManager
+from kvpush.engine.kv_connector import Admission
 from kvpush.engine.request import Request, RequestStatus
-
-
-class Admission(StrEnum):
-    """What the admission hook decides for the head of the waiting queue."""
-
-    RUN = "run"  # schedule it now (if budget and blocks allow)
-    WAIT = "wait"  # not yet: it stays at the head, nothing behind it is admitted this step
-    PARK = "park"  # its blocks are allocated and its KV comes from a peer: WAITING_FOR_REMOTE_KV
-    REJECT = "reject"  # it cannot run (request.error says why): finished with an error
 
 
 @dataclass

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from kvpush.kv_cache import KVCache
+from kvpush.engine.kv_cache import KVCache
 from kvpush.layers.cpu_kernels import PagedDecode
 
 

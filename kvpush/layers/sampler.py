@@ -1,44 +1,64 @@
-"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds, logprobs."""
+"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds, logprobs.
+
+Values in, values out: the sampler reads one SamplingRow per logit row and returns the tokens (and
+logprobs where asked); the engine writes them into its requests.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from kvpush.engine.request import Request, TokenLogprob
+from kvpush.engine.sampling_params import SamplingParams, TokenLogprob
 
 
-def sample(logits: torch.Tensor, requests: list[Request], fallback: torch.Generator) -> list[int]:
-    """logits: [S, vocab] fp32, one row per request. Appends logprobs where asked. Returns token ids."""
-    if all(_plain_greedy(r) for r in requests):
+@dataclass(frozen=True)
+class SamplingRow:
+    """What sampling one logit row needs to know of its request."""
+
+    params: SamplingParams
+    num_output_tokens: int  # before this token: stop tokens are suppressed below params.min_tokens
+    generator: torch.Generator | None = None  # the request's own (seeded); else the batch's fallback
+
+
+@dataclass
+class Sampled:
+    tokens: list[int]  # one per row
+    logprobs: list[TokenLogprob | None]  # one per row: None where the row's params ask for none
+
+
+def sample(logits: torch.Tensor, rows: list[SamplingRow], fallback: torch.Generator) -> Sampled:
+    """logits: [S, vocab] fp32, one row per SamplingRow (modified in place: stop tokens suppressed)."""
+    if all(_plain_greedy(r) for r in rows):
         # max(dim).indices: the same first-maximum indices as argmax (NaN rows included), ~3x faster on
         # CPU: [16, 8192] fp32, one thread, 61 vs 190 us (argmax was ~2% of a batch-16 decode step).
-        return logits.max(dim=-1).indices.tolist()
-    suppress_stop_tokens(logits, requests)
-    tokens: list[int] = []
-    for row, request in zip(logits, requests, strict=True):
-        params = request.sampling_params
+        return Sampled(logits.max(dim=-1).indices.tolist(), [None] * len(rows))
+    suppress_stop_tokens(logits, rows)
+    out = Sampled([], [])
+    for logit_row, row in zip(logits, rows, strict=True):
+        params = row.params
         if params.greedy:
-            token = int(torch.argmax(row))
+            token = int(torch.argmax(logit_row))
         else:
-            token = _sample_row(row, params.temperature, params.top_k, params.top_p, request.generator or fallback)
-        tokens.append(token)
-        if params.logprobs is not None:
-            request.output_logprobs.append(_logprobs(row, token, params.logprobs))
-    return tokens
+            token = _sample_row(logit_row, params.temperature, params.top_k, params.top_p, row.generator or fallback)
+        out.tokens.append(token)
+        out.logprobs.append(None if params.logprobs is None else _logprobs(logit_row, token, params.logprobs))
+    return out
 
 
-def _plain_greedy(request: Request) -> bool:
+def _plain_greedy(row: SamplingRow) -> bool:
     """Greedy with nothing to record or suppress: the whole batch is one argmax."""
-    params = request.sampling_params
+    params = row.params
     return (params.greedy and params.logprobs is None
-            and not (request.num_output_tokens < params.min_tokens and params.stop_token_ids))
+            and not (row.num_output_tokens < params.min_tokens and params.stop_token_ids))
 
 
-def suppress_stop_tokens(logits: torch.Tensor, requests: list[Request]) -> None:
+def suppress_stop_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     """Before min_tokens outputs, stop tokens cannot be sampled."""
-    for i, request in enumerate(requests):
-        params = request.sampling_params
-        if request.num_output_tokens < params.min_tokens and params.stop_token_ids:
+    for i, row in enumerate(rows):
+        params = row.params
+        if row.num_output_tokens < params.min_tokens and params.stop_token_ids:
             logits[i, params.stop_token_ids] = float("-inf")
 
 

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvpush.kv_cache import KVCache
+from kvpush.engine.kv_cache import KVCache
 from kvpush.layers.attention import AttentionMetadata, attend, forward_context
 from kvpush.layers.norm import RMSNorm
 from kvpush.layers.rotary import RotaryEmbedding, apply_rotary

@@ -8,10 +8,10 @@ import os
 import torch
 from safetensors import safe_open
 
+from kvpush.engine.native_memory import huge_page_arena, trim_heap
 from kvpush.errors import ModelLoadError
 from kvpush.models.arch import ArchConfig, load_arch_config
 from kvpush.models.decoder import CausalLM
-from kvpush.native_memory import huge_page_arena, trim_heap
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # HF projection name -> (fused parameter name, shard index)

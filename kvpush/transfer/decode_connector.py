@@ -24,10 +24,10 @@ from dataclasses import dataclass
 
 from kvpush.config import FirstToken, KVMode, OnKVFailure, TransferConfig
 from kvpush.engine.admission import ShedReason
+from kvpush.engine.kv_connector import Admission
 from kvpush.engine.request import Request, RequestStatus
-from kvpush.engine.scheduler import Admission
 from kvpush.errors import InvalidRequestError
-from kvpush.kv_params import DecodeLegParams, RequestLegParams
+from kvpush.protocol.kv_params import DecodeLegParams, RequestLegParams
 from kvpush.transfer import protocol as pr
 from kvpush.transfer.commands import Cancel, PeerAddr, Read, Register, SendNotif
 from kvpush.transfer.events import FreeBlocks, KVFailed, KVReady

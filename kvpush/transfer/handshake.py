@@ -42,7 +42,7 @@ _COMPAT_DOMAIN = b"kvpush-compat\x00"
 class HandshakeInfo(msgspec.Struct, frozen=True, kw_only=True):
     """What one instance tells its peer about itself.
 
-    The KV buffer is block-major (DESIGN.md section 2): block ``b`` starts at
+    The KV buffer is block-major (docs/design.md section 2): block ``b`` starts at
     ``base_address + b * block_bytes``, its layer ``l`` at ``... + l * layer_bytes``.
     """
 

@@ -2,7 +2,7 @@
 
 What it wraps
 -------------
-Each instance registers one block-major KV buffer (DESIGN.md section 2)::
+Each instance registers one block-major KV buffer (docs/design.md section 2)::
 
     kv[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]   # contiguous
 
@@ -100,7 +100,7 @@ def _load_nixl() -> tuple[Any, Any]:
         import nixl._bindings as bindings
     except ImportError as exc:
         raise TransferError("nixl is not installed: pip install --no-deps nixl==1.5.1 "
-                            "nixl-cu12==1.5.1 (DESIGN.md section 4)") from exc
+                            "nixl-cu12==1.5.1 (docs/design.md section 4)") from exc
     return api, bindings
 
 

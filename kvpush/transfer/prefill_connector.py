@@ -18,10 +18,10 @@ from dataclasses import dataclass
 import msgspec
 
 from kvpush.config import KVMode, TransferConfig
-from kvpush.device import synchronize
+from kvpush.engine.device import synchronize
+from kvpush.engine.kv_connector import Admission
 from kvpush.engine.request import Request, RequestStatus
-from kvpush.engine.scheduler import Admission
-from kvpush.kv_params import PrefillLegParams, PrefillResult, RequestLegParams
+from kvpush.protocol.kv_params import PrefillLegParams, PrefillResult, RequestLegParams
 from kvpush.transfer.commands import Cancel, Hold, LayersDone
 from kvpush.transfer.events import FreeBlocks
 from kvpush.transfer.runtime import RuntimeConnector, TransferRuntime
@@ -31,6 +31,7 @@ from kvpush.transfer.runtime import RuntimeConnector, TransferRuntime
 class PrefillState:
     params: PrefillLegParams
     handed: int = 0  # layer-wise: blocks [0, handed) were handed to the writer (every layer)
+    result: PrefillResult | None = None  # set when the prefill finished and its blocks are held
 
 
 class PrefillConnector(RuntimeConnector):
@@ -100,12 +101,16 @@ class PrefillConnector(RuntimeConnector):
         self.runtime.thread.submit(Hold(p.transfer_id, request.request_id, blocks, request.num_prompt_tokens,
                                         first, lease, p.decode_engine_id))
         pull = p.mode is KVMode.PULL
-        request.kv_result = PrefillResult(
+        st.result = PrefillResult(
             transfer_id=p.transfer_id, mode=p.mode, prefill_engine_id=self.engine_id, prefill_kv_host=self.host,
             prefill_kv_port=self.port, num_tokens=request.num_prompt_tokens,
             block_ids=list(blocks) if pull else [], lease_expiry=lease if pull else None, first_token_id=first)
         request.trace["prefill_done"] = now
         return True
+
+    def result(self, request: Request) -> PrefillResult | None:
+        st = request.kv_state
+        return st.result if isinstance(st, PrefillState) else None
 
     def poll(self) -> list[Request]:
         for event in self.runtime.drain_events():

@@ -3,9 +3,9 @@
 Every request that crosses P and D carries a ``transfer_id`` the proxy mints per dispatch
 (``new_transfer_id``; never reused, not even for a retry). Two kinds of messages exist:
 
-*Leg parameters* travel over HTTP as the request's ``kv_transfer_params`` (kvpush/kv_params.py).
+*Leg parameters* travel over HTTP as the request's ``kv_transfer_params`` (kvpush/protocol/kv_params.py).
 *KV-channel messages* (this module) travel between P and D as NIXL notifications (msgpack, one version byte first, at most ``MAX_MESSAGE_BYTES``; see ``encode`` / ``decode``).
-The lifecycle of one transfer, as the messages drive it (DESIGN.md section 3):
+The lifecycle of one transfer, as the messages drive it (docs/design.md section 3):
 
 Push::
 
@@ -36,7 +36,7 @@ from typing import Any
 import msgspec
 
 from kvpush.errors import ProtocolError
-from kvpush.kv_params import (
+from kvpush.protocol.kv_params import (
     PROTOCOL_VERSION,
     check_blocks,
     check_engine_id,

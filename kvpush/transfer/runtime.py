@@ -17,10 +17,10 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from kvpush.config import KVMode, Role, TransferConfig
+from kvpush.engine.kv_cache import KVCache
 from kvpush.engine.kv_connector import KVConnector
 from kvpush.errors import InvalidRequestError
-from kvpush.kv_cache import KVCache
-from kvpush.kv_params import DecodeLegParams, PrefillLegParams, RequestLegParams
+from kvpush.protocol.kv_params import DecodeLegParams, PrefillLegParams, RequestLegParams
 from kvpush.transfer.doorbell import Doorbell
 from kvpush.transfer.events import Event
 from kvpush.transfer.handshake import HandshakeInfo, compat_hash, compat_summary

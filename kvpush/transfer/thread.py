@@ -85,7 +85,7 @@ class Pacer:
     Grace (GRACE_S of urgent polling) follows what may need this thread to call into NIXL soon:
     a notification it sent, and a ring whose notification was not there yet. A notification read
     ends the grace of a ring, so a PushReg read during P's own prefill costs one round. Why a sent
-    notification needs it (nixl 1.5, `benchmarks/notif_delivery.py`): UCX hands most notifications
+    notification needs it (nixl 1.5, measured by a one-off probe, docs/protocol.md section 5): UCX hands most notifications
     over within `send_notif`, but not the first on a new endpoint, not the first of a new size class
     between two agents of one process, and, over tcp, not a WRITE's own notification (5-8 ms, a few
     not within 20 ms if the sender stops calling at DONE); such a message waits for the sender's next

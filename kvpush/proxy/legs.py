@@ -1,0 +1,164 @@
+"""What one request's dispatch is made of in the proxy: the P and D legs (Dispatch, Leg), the ways a leg
+fails (LegError, DecodeUnavailable, PrefillFailed), and the body and trace helpers around them."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import aiohttp
+from aiohttp import web
+
+from kvpush.config import FirstToken, KVMode
+from kvpush.proxy.auto.records import Decision
+from kvpush.proxy.pool import Instance
+
+log = logging.getLogger("kvpush.proxy")
+TRACE_WAIT_S = 1.0  # push: how long D's final chunk may wait for P's answer to merge P's stamps
+
+
+class LegError(Exception):
+    """One leg answered with an error; carries the status, body and Retry-After to give the client,
+    and which instance answered it."""
+
+    def __init__(self, status: int, body: bytes, instance: Instance | None = None,
+                 retry_after: str | None = None) -> None:
+        super().__init__(f"leg failed with {status}")
+        self.status = status
+        self.body = body
+        self.instance = instance
+        self.retry_after = retry_after
+
+    @property
+    def shed(self) -> bool:
+        """The instance refused the request for lack of capacity (or is unavailable): another may not."""
+        return self.status in (429, 503) and self.instance is not None
+
+
+class DecodeUnavailable(Exception):
+    """The decode instance refused the leg because it drains, or could not be connected to: nothing
+    was sent to it, so another decode instance may serve the request."""
+
+    def __init__(self, error: LegError, reason: str) -> None:
+        super().__init__(str(error))
+        self.error = error
+        self.reason = reason
+
+
+class PrefillFailed(Exception):
+    """The prefill leg failed on the instance's side (unreachable, 5xx): worth another instance."""
+
+    def __init__(self, error: LegError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+@dataclass
+class Dispatch:
+    prefill: Instance | None  # None: D prefills the prompt itself (auto's local route)
+    decode: Instance
+    transfer_id: str
+    first_token: FirstToken
+    mode: KVMode  # how the KV moves (a leg's mode: never auto)
+    trace: dict[str, float] = field(default_factory=dict)
+    p_task: asyncio.Task | None = None  # push: P's leg, possibly still running after D answered
+    decision: Decision | None = None  # auto: the route chosen and why
+
+
+@dataclass
+class Leg:
+    """One prompt's dispatch whose D answered 200: its answer is still to be read."""
+
+    dispatch: Dispatch
+    response: aiohttp.ClientResponse
+
+
+def seconds(retry_after: str | None) -> float:
+    """A Retry-After in seconds (an HTTP date or garbage counts as 1 s)."""
+    try:
+        return max(0.0, float(retry_after)) if retry_after is not None else 1.0
+    except ValueError:
+        return 1.0
+
+
+def prefill_body(body: dict, kv_params: dict) -> dict:
+    """P's leg: the client's request unchanged, so that P validates it as D does (same 4xx). P's connector
+    caps it to one token, and a prefill instance answers with one JSON body whatever `stream` says."""
+    return dict(body, kv_transfer_params=kv_params)
+
+
+def first_token_for(body: dict, configured: FirstToken) -> FirstToken:
+    """`from-prefill` only where P's first token is exactly what D would sample: not when the client
+    asks for logprobs (P's are not transferred) or samples with a seed (P's generator is not D's)."""
+    logprobs = body.get("logprobs")
+    wants_logprobs = logprobs is not None and logprobs is not False
+    temperature = body.get("temperature")
+    seeded = body.get("seed") is not None and (temperature is None or temperature != 0)
+    return FirstToken.RECOMPUTE if wants_logprobs or seeded else configured
+
+
+def prefill_trace(trace: object) -> dict[str, float]:
+    """P's timestamps under the names the handover breakdown uses."""
+    if not isinstance(trace, dict):
+        return {}
+    names = {"arrived": "p_admitted", "prefill_done": "p_prefill_done", "api_received": "p_api_received",
+             "api_answered": "p_answered"}
+    return {names[k]: float(v) for k, v in trace.items() if k in names and isinstance(v, (int, float))}
+
+
+def parse_body(raw: bytes) -> dict:
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise web.HTTPBadRequest(reason=f"malformed JSON body: {e}") from e
+    if not isinstance(body, dict):
+        raise web.HTTPBadRequest(reason="the request body must be a JSON object")
+    if "kv_transfer_params" in body:
+        raise web.HTTPBadRequest(reason="kv_transfer_params is set by the proxy, not by clients")
+    return body
+
+
+def merge_trace_json(data: bytes, annotate: Callable[[dict], None]) -> bytes:
+    try:
+        obj = json.loads(data)
+        for choice in obj.get("choices", []):
+            if isinstance(choice, dict):
+                annotate(choice)
+        return json.dumps(obj).encode()
+    except (json.JSONDecodeError, AttributeError):
+        return data
+
+
+def merge_trace_line(line: bytes, annotate: Callable[[dict], None]) -> bytes:
+    if not line.startswith(b"data: "):
+        return line
+    return b"data: " + merge_trace_json(line[6:].strip(), annotate) + b"\n"
+
+
+async def wait_prefill(p_task: asyncio.Task | None) -> None:
+    """Push: D may end before P's answer (with P's stamps) arrived; its final chunk, which carries
+    the trace, waits for it at most TRACE_WAIT_S (the first token never waits)."""
+    if p_task is not None and not p_task.done():
+        await asyncio.wait({p_task}, timeout=TRACE_WAIT_S)
+
+
+def retrieve(task: asyncio.Task) -> None:
+    """A P leg that ends after D already answered: its outcome no longer matters to the client."""
+    if not task.cancelled() and task.exception() is not None:
+        log.info("prefill leg ended after decode answered: %s", task.exception())
+
+
+async def cancel(*tasks: asyncio.Task) -> None:
+    for t in tasks:
+        t.cancel()
+    for t in tasks:
+        try:
+            resp = await t
+            if isinstance(resp, aiohttp.ClientResponse):
+                resp.close()
+        except (TimeoutError, asyncio.CancelledError, LegError, PrefillFailed, DecodeUnavailable, aiohttp.ClientError):
+            pass  # the failure that made us cancel is reported by the caller
+

@@ -1,0 +1,151 @@
+"""The proxy's instances: what it knows of each, how it probes them and how it picks one.
+
+Each instance is probed (GET /v1/kv_info) every --probe-interval-s: one that answers with the expected
+role and --kv-mode is healthy; a new engine id means it restarted (it rejoins, with an empty cache); a
+`draining` one is not chosen until it says otherwise; one that does not answer is skipped until it does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import time
+from dataclasses import dataclass
+
+import aiohttp
+import msgspec
+from aiohttp import web
+
+from kvpush.config import ProxyConfig
+from kvpush.protocol.kv_params import KVInfo
+
+log = logging.getLogger("kvpush.proxy")
+_kv_info_decoder = msgspec.json.Decoder(KVInfo)
+
+
+@dataclass
+class Instance:
+    url: str
+    role: str
+    engine_id: str = ""
+    kv_host: str | None = None
+    kv_port: int | None = None
+    kv_mode: str | None = None
+    block_size: int = 16
+    healthy: bool = False
+    draining: bool = False  # shutting down: finishes its requests, takes no new ones
+    in_flight: int = 0
+    served: int = 0
+    shed_until: float = 0.0  # monotonic time until which it said it sheds (its 429/503's Retry-After)
+
+    @property
+    def usable(self) -> bool:
+        return self.healthy and not self.draining
+
+    def refused(self, status: int, body: bytes) -> bool:
+        """The instance answered that it is draining (marked at once: it is not chosen again)."""
+        if status == 503 and error_code(body) == "draining":
+            if not self.draining:
+                log.info("%s is draining: no new requests go there", self.url)
+            self.draining = True
+            return True
+        return False
+
+
+class InstancePool:
+    """The prefill and decode instances of a proxy (a base of Proxy: it owns `session`)."""
+
+    config: ProxyConfig
+    session: aiohttp.ClientSession | None
+
+    def __init__(self, config: ProxyConfig) -> None:
+        self.prefills = [Instance(u.rstrip("/"), "prefill") for u in config.prefill_urls]
+        self.decodes = [Instance(u.rstrip("/"), "decode") for u in config.decode_urls]
+        self._rr = {"prefill": itertools.count(), "decode": itertools.count()}
+
+    def _ready(self) -> bool:
+        return any(i.usable for i in self.prefills) and any(i.usable for i in self.decodes)
+
+    async def _probe_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.probe_interval_s)
+            await self.probe_all()
+
+    async def probe_all(self) -> None:
+        await asyncio.gather(*(self._probe(i) for i in self.prefills + self.decodes))
+
+    async def _probe(self, inst: Instance) -> None:
+        assert self.session is not None
+        info: KVInfo | None = None
+        try:
+            async with self.session.get(inst.url + "/v1/kv_info", timeout=aiohttp.ClientTimeout(total=2)) as r:
+                if r.status == 200:
+                    info = _kv_info_decoder.decode(await r.read())
+        except (TimeoutError, aiohttp.ClientError, msgspec.DecodeError):
+            info = None
+        if info is None or info.role != inst.role or info.kv_mode != self.config.kv_mode.value:
+            if info is not None and inst.healthy:
+                log.warning("%s is %s/%s, expected %s/%s", inst.url, info.role, info.kv_mode, inst.role,
+                            self.config.kv_mode.value)
+            inst.healthy = False
+            return
+        if inst.engine_id and info.engine_id != inst.engine_id:
+            log.info("%s restarted: engine %s -> %s", inst.url, inst.engine_id, info.engine_id)
+            self.restarted(inst)
+        if info.draining != inst.draining:
+            log.info("%s %s", inst.url, "is draining: no new requests go there" if info.draining else "serves again")
+        inst.healthy, inst.draining = True, info.draining
+        inst.engine_id, inst.kv_host, inst.kv_port, inst.kv_mode = (info.engine_id, info.kv_host, info.kv_port,
+                                                                    info.kv_mode)
+        inst.block_size = info.block_size
+
+    def restarted(self, inst: Instance) -> None:
+        """The instance came back with a new engine id (a hook for the proxy)."""
+
+    async def reset_prefix_caches(self, request: web.Request) -> web.Response:
+        """POST /reset_prefix_cache: every instance forgets its cached prefix blocks (each one's own
+        POST /reset_prefix_cache), and the proxy what it tracked of those that did (`restarted`). A
+        draining instance is left out (it takes no new request). 502 with the instances that failed, if
+        any did: a benchmark must not start "cold" on a warm one."""
+        assert self.session is not None
+        every = [i for i in self.prefills + self.decodes if not i.draining]
+        done = await asyncio.gather(*(self._reset(i) for i in every))
+        failed = [i.url for i, ok in zip(every, done, strict=True) if not ok]
+        for inst, ok in zip(every, done, strict=True):
+            if ok:
+                self.restarted(inst)
+        if failed:
+            body = {"error": {"message": f"prefix cache reset failed on {', '.join(failed)}",
+                              "type": "server_error", "param": None, "code": "reset_failed"}}
+            return web.json_response(body, status=502)
+        return web.json_response({"reset": [i.url for i in every]})
+
+    async def _reset(self, inst: Instance) -> bool:
+        assert self.session is not None
+        try:
+            async with self.session.post(inst.url + "/reset_prefix_cache", timeout=aiohttp.ClientTimeout(total=10)) as r:
+                return r.status == 200
+        except (TimeoutError, aiohttp.ClientError):
+            return False
+
+    # ---- choosing ------------------------------------------------------------------------
+    def pick(self, pool: list[Instance], role: str, exclude: set[str] | None = None) -> Instance:
+        healthy = [i for i in pool if i.usable and i.url not in (exclude or ())]
+        if not healthy:
+            raise web.HTTPServiceUnavailable(reason=f"no healthy {role} instance")
+        now = time.monotonic()
+        healthy = [i for i in healthy if i.shed_until <= now] or healthy  # those shedding only if all are
+        if self.config.policy == "least-loaded":
+            return min(healthy, key=lambda i: (i.in_flight, i.served))
+        return healthy[next(self._rr[role]) % len(healthy)]
+
+
+def error_code(body: bytes) -> object:
+    """The `code` of an OpenAI-style error body, or None."""
+    try:
+        error = json.loads(body).get("error")
+        return error.get("code") if isinstance(error, dict) else None
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+        return None

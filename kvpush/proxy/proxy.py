@@ -1,0 +1,470 @@
+"""`kvpush proxy`: the front door of an xPyD deployment.
+
+Per request:  pick a P and a D (round-robin or least-loaded among healthy instances), mint a
+transfer_id, then
+    push: dispatch both legs at once (P: the request + PrefillLegParams, which P caps to one
+          token; D: the request + DecodeLegParams naming P); stream D's answer back.
+    pull: send P's leg, wait for its PrefillResult, forward it to D (DecodeLegParams with P's
+          block ids); stream D's answer back.
+    auto: per request one of push, push-layerwise, pull, or local (D alone prefills the plain
+          request), chosen by kv_router.AutoRouter (kv_choice.py's cost model); with no usable P, local. A client
+          may name the route (header X-KVPush-KV-Mode). The answer says which (kvpush_route).
+A completions request with several prompts is one such dispatch per prompt (batch.py).
+If a leg fails, the client gets that leg's error (OpenAI error JSON) and the other leg is
+cancelled; a client that disconnects cancels both legs (their instances abort the requests).
+Instances are re-probed (GET /v1/kv_info) every second: a restarted instance rejoins with its
+new engine id; an unreachable one is skipped until it answers again. A draining instance (SIGTERM;
+its kv_info says so, or it refused a leg with code "draining") is not chosen again until it says
+otherwise; a leg it refused, or a D leg that could not even connect, goes to another instance (D: pull
+keeps P's prefill, push dispatches both legs anew).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import time
+
+import aiohttp
+from aiohttp import web
+
+from kvpush.config import KVMode, ProxyConfig
+from kvpush.protocol import http as H
+from kvpush.protocol import kv_params as kp
+from kvpush.proxy import batch
+from kvpush.proxy.auto.records import Route
+from kvpush.proxy.auto.router import AutoRouter
+from kvpush.proxy.legs import (
+    DecodeUnavailable,
+    Dispatch,
+    Leg,
+    LegError,
+    PrefillFailed,
+    cancel,
+    first_token_for,
+    merge_trace_json,
+    merge_trace_line,
+    parse_body,
+    prefill_body,
+    prefill_trace,
+    retrieve,
+    seconds,
+    wait_prefill,
+)
+from kvpush.proxy.metrics import ProxyMetrics
+from kvpush.proxy.pool import Instance, InstancePool
+
+log = logging.getLogger("kvpush.proxy")
+ROUTES = ("/v1/completions", "/v1/chat/completions")
+ROUTE_HEADER = "X-KVPush-KV-Mode"  # a client may name the route of its request (auto proxies)
+NO_INSTANCE_RETRY_AFTER_S = 1  # Retry-After of the proxy's own 503 (no healthy instance of a role)
+__all__ = ["Proxy", "first_token_for", "prefill_body", "serve_proxy"]
+
+
+
+class Proxy(InstancePool):
+    def __init__(self, config: ProxyConfig) -> None:
+        super().__init__(config)
+        self.config = config
+        self.metrics = ProxyMetrics()
+        self.auto = (AutoRouter(config.auto_stall_weight, config.auto_local_max_ms / 1e3, config.auto_local_share,
+                                config.auto_local_window_s, near_tie=config.auto_near_tie,
+                                residual_alpha=config.auto_residual_alpha, switch_margin=config.auto_switch_margin,
+                                busy_period=config.auto_busy_period)
+                     if config.kv_mode is KVMode.AUTO else None)
+        self.session: aiohttp.ClientSession | None = None
+        self._prober: asyncio.Task | None = None
+
+    # ---- lifecycle -----------------------------------------------------------------------
+    async def start(self, wait_s: float = 120.0) -> None:
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=self.config.request_timeout_s)
+        key = self.config.instance_api_key
+        headers = {"Authorization": f"Bearer {key}"} if key else None
+        self.session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0),
+                                             headers=headers)
+        deadline = time.monotonic() + wait_s
+        while not self._ready() and time.monotonic() < deadline:
+            await self.probe_all()
+            if not self._ready():
+                await asyncio.sleep(0.5)
+        self._prober = asyncio.create_task(self._probe_loop())
+
+    async def close(self) -> None:
+        if self._prober is not None:
+            self._prober.cancel()
+        if self.session is not None:
+            await self.session.close()
+    def _ready(self) -> bool:
+        """Auto serves from D alone when no P is usable (local route): a usable D is enough."""
+        if self.auto is not None:
+            return any(i.usable for i in self.decodes)
+        return super()._ready()
+
+    def restarted(self, inst: Instance) -> None:
+        if self.auto is not None:
+            self.auto.forget(inst.url)  # its prefix cache is empty
+
+    # ---- HTTP ----------------------------------------------------------------------------
+    def build_app(self) -> web.Application:
+        app = web.Application(middlewares=[self.error_middleware], client_max_size=8 << 20)
+        for route in ROUTES:
+            app.router.add_post(route, self.handle)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics_endpoint)
+        app.router.add_post("/reset_prefix_cache", self.reset_prefix_caches)
+        return app
+
+    @web.middleware
+    async def error_middleware(self, request: web.Request, handler) -> web.StreamResponse:
+        key = self.config.api_key
+        guarded = request.path.startswith("/v1/") or request.path == "/reset_prefix_cache"
+        if key and guarded and request.headers.get("Authorization") != f"Bearer {key}":
+            return H.error_response(401, "invalid or missing API key")
+        try:
+            return await handler(request)
+        except LegError as e:
+            self.metrics.requests.labels(status=str(e.status)).inc()
+            headers = {"Retry-After": e.retry_after} if e.retry_after is not None else None
+            return web.Response(body=e.body, status=e.status, content_type="application/json", headers=headers)
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            self.metrics.requests.labels(status=str(e.status)).inc()
+            resp = H.error_response(e.status, e.reason or "error")
+            if e.status == 503:
+                resp.headers["Retry-After"] = str(NO_INSTANCE_RETRY_AFTER_S)
+            return resp
+
+    async def health(self, request: web.Request) -> web.Response:
+        if not self._ready():
+            return H.error_response(503, "no healthy prefill or decode instance")
+        return web.Response(text="ok")
+
+    async def models(self, request: web.Request) -> web.Response:
+        inst = self.pick(self.decodes, "decode")
+        assert self.session is not None
+        async with self.session.get(inst.url + "/v1/models") as r:
+            return web.Response(body=await r.read(), status=r.status, content_type="application/json")
+
+    async def metrics_endpoint(self, request: web.Request) -> web.Response:
+        self.metrics.update_instances(self.prefills + self.decodes)
+        return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        received = time.time()
+        body = parse_body(await request.read())
+        prompts = batch.batched_prompts(request.path, body)
+        if prompts is not None:
+            return await batch.serve_batch(self, request, body, prompts)
+        forced = self.forced_route(request)
+        leg = await self.open_leg(request.path, body, kp.new_transfer_id(), received, forced)
+        try:
+            return await self._relay(request, leg.response, leg.dispatch)
+        finally:
+            self.end_leg(leg.dispatch)
+
+    def forced_route(self, request: web.Request) -> Route | None:
+        """The route the client named (header X-KVPush-KV-Mode: push|push-layerwise|pull|local); a
+        fixed-mode proxy takes only its own mode there (400 otherwise)."""
+        name = request.headers.get(ROUTE_HEADER)
+        if name is None:
+            return None
+        try:
+            route = Route(name.strip().lower())
+        except ValueError:
+            raise web.HTTPBadRequest(reason=f"{ROUTE_HEADER}: {name!r} is not one of "
+                                            f"{', '.join(r.value for r in Route)}") from None
+        if self.auto is None and route.value != self.config.kv_mode.value:
+            raise web.HTTPBadRequest(reason=f"{ROUTE_HEADER}: this proxy runs --kv-mode {self.config.kv_mode.value}; "
+                                            f"only --kv-mode auto takes other routes")
+        return route
+
+    async def open_leg(self, path: str, body: dict, transfer_id: str, received: float | None = None,
+                       forced: Route | None = None) -> Leg:
+        """Dispatch one prompt's P and D legs; return once D answered 200 (its first token exists).
+        A prefill leg that fails before that (P unreachable or answering 5xx) is retried on another
+        prefill instance, as transfer `<transfer_id>.<attempt>`; a leg an instance sheds (429 / 503) is
+        retried on another instance of that role not tried yet and not shedding, if there is one (else
+        the client gets the 429 / 503 and its Retry-After). The caller must `end_leg` the result."""
+        tried: set[str] = set()
+        tried_d: set[str] = set()
+        for attempt in itertools.count():
+            d = self._dispatch(body, f"{transfer_id}.{attempt}" if attempt else transfer_id, tried, tried_d, forced)
+            d.trace["proxy_received"] = received or time.time()
+            d.trace["dispatched"] = time.time()
+            if d.prefill is not None:
+                d.prefill.in_flight += 1
+            d.decode.in_flight += 1
+            try:
+                if d.prefill is None:
+                    return Leg(d, await self._local(path, body, d))
+                if d.mode.is_push:
+                    return Leg(d, await self._push(path, body, d))
+                return Leg(d, await self._pull(path, body, d))
+            except PrefillFailed as e:
+                self.end_leg(d)
+                assert d.prefill is not None
+                tried.add(d.prefill.url)
+                self.metrics.retries.inc()
+                log.warning("prefill %s failed (%s); retrying elsewhere", d.prefill.url, e.error)
+                if not any(i.usable and i.url not in tried for i in self.prefills) and (
+                        self.auto is None or forced is not None):  # auto: D can still prefill it
+                    raise e.error from None
+            except DecodeUnavailable as e:  # push: P's leg was cancelled with it; dispatch both anew
+                self.end_leg(d)
+                tried_d.add(d.decode.url)
+                self.metrics.rerouted.labels(role="decode", reason=e.reason).inc()
+                if not any(i.usable and i.url not in tried_d for i in self.decodes):
+                    raise e.error from None
+            except LegError as e:
+                self.end_leg(d)
+                if self._shed_elsewhere(e, tried if e.instance is d.prefill else tried_d):
+                    continue
+                if self.auto is None or forced is not None or d.prefill is None or e.instance is not d.prefill \
+                        or not e.shed:
+                    raise
+                tried.add(d.prefill.url)  # auto: the last P sheds; D can still prefill it (local)
+            except BaseException:
+                self.end_leg(d)
+                raise
+        raise AssertionError("unreachable")
+
+    def _dispatch(self, body: dict, transfer_id: str, tried: set[str], tried_d: set[str],
+                  forced: Route | None) -> Dispatch:
+        """Pick D, P and (auto) the route. An auto proxy with no usable P serves from D alone."""
+        decode = self.pick(self.decodes, "decode", exclude=tried_d)
+        first = first_token_for(body, self.config.first_token)
+        if self.auto is None:
+            return Dispatch(self.pick(self.prefills, "prefill", exclude=tried), decode, transfer_id, first,
+                            self.config.kv_mode)
+        usable = forced is not Route.LOCAL and any(i.usable and i.url not in tried for i in self.prefills)
+        if forced is not None and forced.remote and not usable:
+            raise web.HTTPServiceUnavailable(reason="no healthy prefill instance")
+        prefill = self.pick(self.prefills, "prefill", exclude=tried) if usable else None
+        decision = self.auto.decide(body, prefill.url if prefill else None, decode.url, decode.in_flight,
+                                    decode.block_size, forced)
+        log.debug("route %s for %s: %s", decision.route.value, transfer_id, decision.to_json())
+        self.metrics.routes.labels(route=decision.route.value).inc()
+        self.auto.dispatched(decision)
+        if decision.route is Route.LOCAL:
+            return Dispatch(None, decode, transfer_id, first, KVMode.PUSH, decision=decision)
+        return Dispatch(prefill, decode, transfer_id, first, KVMode(decision.route.value), decision=decision)
+
+    def _shed_elsewhere(self, e: LegError, tried: set[str]) -> bool:
+        """An instance shed the leg: remember it for its Retry-After; True if another instance of its
+        role can be tried (healthy, not tried for this request, not shedding)."""
+        inst = e.instance
+        if not e.shed or inst is None:
+            return False
+        inst.shed_until = time.monotonic() + seconds(e.retry_after)
+        tried.add(inst.url)
+        self.metrics.shed.labels(role=inst.role, status=str(e.status)).inc()
+        pool = self.prefills if inst.role == "prefill" else self.decodes
+        now = time.monotonic()
+        if not any(i.healthy and i.url not in tried and i.shed_until <= now for i in pool):
+            return False
+        self.metrics.shed_retries.inc()
+        log.info("%s shed a request (%d); trying another %s instance", inst.url, e.status, inst.role)
+        return True
+
+    def end_leg(self, d: Dispatch) -> None:
+        if d.prefill is not None:
+            d.prefill.in_flight -= 1
+            d.prefill.served += 1
+        d.decode.in_flight -= 1
+        d.decode.served += 1
+        if self.auto is not None and d.decision is not None:
+            self.auto.prefilled(d.decision)  # a no-op unless not released yet (it failed, or push: D's
+            # answer ended before P's HTTP answer came; D's first token means P's prefill was done)
+
+    # ---- the two flows -------------------------------------------------------------------
+    async def _local(self, path: str, body: dict, d: Dispatch) -> aiohttp.ClientResponse:
+        """Auto's local route: the request goes to D as it is; D prefills it (no P leg, no transfer)."""
+        assert self.auto is not None and d.decision is not None
+        auto, decision = self.auto, d.decision
+        # D answers a non-streamed request when the whole answer exists: its prefill counts as done once
+        # it should be (its estimate), not when the answer arrives
+        timer = None if body.get("stream") else asyncio.get_running_loop().call_later(
+            decision.estimates_s.get("local", 0.0), auto.prefilled, decision)
+        try:
+            resp = await self._open_decode(path, body, None, d)
+        finally:
+            if timer is not None:
+                timer.cancel()
+        d.trace["local_prefilled"] = time.time()
+        auto.prefilled(decision)
+        return resp
+
+    async def _push(self, path: str, body: dict, d: Dispatch) -> aiohttp.ClientResponse:
+        assert d.prefill is not None
+        p_params = kp.PrefillLegParams(transfer_id=d.transfer_id, mode=d.mode, decode_engine_id=d.decode.engine_id)
+        d_params = self._decode_params(d, None)
+        p_task = asyncio.create_task(self._prefill_leg(path, body, p_params, d))
+        d_task = asyncio.create_task(self._open_decode(path, body, d_params, d))
+        try:
+            # D answers once its first token exists. A P leg failing before that cancels D (and may
+            # be retried elsewhere); after it, P's answer only adds its timestamps to the trace.
+            while not d_task.done():
+                await asyncio.wait({p_task, d_task}, return_when=asyncio.FIRST_COMPLETED)
+                if p_task.done() and not d_task.done():
+                    p_task.result()
+            d_resp = d_task.result()
+        except BaseException:
+            await cancel(p_task, d_task)
+            raise
+        p_task.add_done_callback(retrieve)
+        d.p_task = p_task  # its answer only adds P's stamps to the trace (_relay waits a little for it)
+        return d_resp
+
+    async def _pull(self, path: str, body: dict, d: Dispatch) -> aiohttp.ClientResponse:
+        p_params = kp.PrefillLegParams(transfer_id=d.transfer_id, mode=KVMode.PULL)
+        result = await self._prefill_leg(path, body, p_params, d)
+        tried: set[str] = set()
+        while True:
+            try:
+                return await self._open_decode(path, body, self._decode_params(d, result), d)
+            except DecodeUnavailable as e:  # P holds the KV under its lease: another D can READ it
+                tried.add(d.decode.url)
+                self.metrics.rerouted.labels(role="decode", reason=e.reason).inc()
+                try:
+                    other = self.pick(self.decodes, "decode", tried)
+                except web.HTTPServiceUnavailable:
+                    raise e.error from None
+                d.decode.in_flight -= 1
+                other.in_flight += 1
+                d.decode = other
+                if self.auto is not None and d.decision is not None:
+                    self.auto.rerouted(d.decision, other.url)
+
+    def _decode_params(self, d: Dispatch, result: kp.PrefillResult | None) -> kp.DecodeLegParams:
+        first = d.first_token
+        if result is not None:
+            return result.to_decode_leg(first)
+        p = d.prefill
+        assert p is not None and p.kv_host is not None and p.kv_port is not None
+        return kp.DecodeLegParams(transfer_id=d.transfer_id, mode=d.mode, prefill_engine_id=p.engine_id,
+                                  prefill_kv_host=p.kv_host, prefill_kv_port=p.kv_port, first_token=first)
+
+    async def _prefill_leg(self, path: str, body: dict, params: kp.PrefillLegParams, d: Dispatch) -> kp.PrefillResult:
+        try:
+            return await self._send_prefill(path, body, params, d)
+        finally:
+            if d.decision is not None and self.auto is not None:
+                self.auto.prefilled(d.decision)  # answered, failed or cancelled: no longer queued on P
+
+    async def _send_prefill(self, path: str, body: dict, params: kp.PrefillLegParams,
+                            d: Dispatch) -> kp.PrefillResult:
+        assert self.session is not None and d.prefill is not None
+        leg = prefill_body(body, kp.params_to_dict(params))
+        d.trace["p_leg_sent"] = time.time()
+        try:
+            async with self.session.post(d.prefill.url + path, json=leg) as r:
+                data = await r.read()
+                error = LegError(r.status, data, d.prefill, r.headers.get("Retry-After"))
+                if r.status >= 500:
+                    if d.prefill.refused(r.status, data):
+                        self.metrics.rerouted.labels(role="prefill", reason="draining").inc()
+                    raise PrefillFailed(error)
+                if r.status != 200:
+                    raise error
+        except aiohttp.ClientError as e:
+            d.prefill.healthy = False  # the prober brings it back when it answers again
+            message = f"prefill instance {d.prefill.url} unreachable: {e}"
+            raise PrefillFailed(LegError(502, json.dumps(H.error_body(502, message)).encode())) from e
+        d.trace["p_response"] = time.time()
+        try:
+            choice = json.loads(data)["choices"][0]
+            d.trace.update(prefill_trace(choice.get("kvpush_trace")))
+            kv = choice["kv_transfer_params"]
+            return kp.params_from_dict(kv, kp.PrefillResult)
+        except (KeyError, IndexError, TypeError, ValueError, kp.ProtocolError) as e:
+            raise LegError(502, json.dumps(H.error_body(502, f"prefill answered without KV params: {e}")).encode()) from e
+
+    async def _open_decode(self, path: str, body: dict, params: kp.DecodeLegParams | None,
+                           d: Dispatch) -> aiohttp.ClientResponse:
+        """D's leg (params None: a plain request D computes itself); returns once D answered 200."""
+        assert self.session is not None
+        leg = body if params is None else dict(body, kv_transfer_params=kp.params_to_dict(params))
+        d.trace["d_leg_sent"] = time.time()
+        try:
+            resp = await self.session.post(d.decode.url + path, json=leg)
+        except aiohttp.ClientError as e:
+            d.decode.healthy = False
+            message = f"decode instance {d.decode.url} unreachable: {e}"
+            error = LegError(502, json.dumps(H.error_body(502, message)).encode())
+            if isinstance(e, aiohttp.ClientConnectorError):  # not even connected (e.g. it just shut down)
+                raise DecodeUnavailable(error, "unreachable") from e
+            raise error from e
+        if resp.status != 200:
+            data = await resp.read()
+            resp.release()
+            error = LegError(resp.status, data, d.decode, resp.headers.get("Retry-After"))
+            if d.decode.refused(resp.status, data):
+                raise DecodeUnavailable(error, "draining")
+            raise error
+        return resp
+
+    def annotate(self, d: Dispatch, choice: dict) -> None:
+        """D's final choice (it carries kvpush_trace): the proxy's and P's stamps merged into its trace;
+        auto: the route taken and why (kvpush_route), and the cost model learns from the answer."""
+        trace = choice.get("kvpush_trace")
+        if not isinstance(trace, dict):
+            return
+        trace.update(d.trace)
+        if d.decision is None or self.auto is None:
+            return
+        choice["kvpush_route"] = d.decision.to_json()
+        ratio = self.auto.finished(d.decision, trace, choice.get("kvpush_prompt"))
+        if ratio is not None:
+            self.metrics.estimate_ratio.labels(route=d.decision.route.value).observe(ratio)
+
+    async def _relay(self, request: web.Request, d_resp: aiohttp.ClientResponse, d: Dispatch) -> web.StreamResponse:
+        """Copy D's answer to the client; merge the proxy's timestamps into kvpush_trace."""
+        complete = False
+        try:
+            if not d_resp.content_type.startswith("text/event-stream"):
+                data = await d_resp.read()
+                await wait_prefill(d.p_task)
+                data = merge_trace_json(data, lambda c: self.annotate(d, c))
+                complete = True
+                self.metrics.requests.labels(status="200").inc()
+                return web.Response(body=data, status=200, content_type="application/json")
+            out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+            await out.prepare(request)
+            try:
+                async for line in d_resp.content:
+                    if b'"kvpush_trace"' in line:
+                        await wait_prefill(d.p_task)
+                        line = merge_trace_line(line, lambda c: self.annotate(d, c))
+                    if line.startswith(b"data: {"):  # stamped before the write: after it the client may have it
+                        d.trace.setdefault("proxy_first_chunk", time.time())
+                    await out.write(line)
+                complete = True
+                await out.write_eof()
+            except ConnectionResetError:  # the client closed its end: once it had [DONE], that is no error
+                if not complete:
+                    log.info("client left during the stream of %s", d.transfer_id)
+                    return out
+            self.metrics.requests.labels(status="200").inc()
+            return out
+        finally:
+            if complete:
+                d_resp.release()
+            else:
+                d_resp.close()  # the client left or the stream broke: D sees the disconnect and aborts
+
+
+async def serve_proxy(config: ProxyConfig) -> None:
+    proxy = Proxy(config)
+    await proxy.start()
+    runner = await H.start_http(proxy.build_app(), config.host, config.port)
+    print(f"kvpush: proxy ({config.kv_mode.value}) on http://{config.host}:{config.port} -> "
+          f"{len(proxy.prefills)} prefill, {len(proxy.decodes)} decode", flush=True)
+    try:
+        await H.wait_for_signal()
+    finally:
+        await runner.cleanup()
+        await proxy.close()
