@@ -25,8 +25,6 @@ import statistics
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -46,52 +44,28 @@ PROBES = {  # name -> kvpush bench arguments
 }
 # vLLM's limits below (1 GiB of KV cache, 32 sequences, 2,048 batched tokens) for kvpush too: with its
 # default 256 MiB of KV cache kvpush sheds (429 kv_cache_full) part of the saturation probe.
+CORE0 = ["taskset", "-c", "0"]  # every server shares core 0; the client runs on core 1
 SAME_LIMITS = ["--kv-cache-memory-mb", "1024", "--max-num-seqs", "32", "--max-num-batched-tokens", "2048"]
 COLUMNS = [("sequential", "median_ttft_ms", "sequential TTFT p50 ms"), ("rate1", "median_ttft_ms", "TTFT p50 ms @1/s"),
            ("rate1", "p99_ttft_ms", "TTFT p99 ms @1/s"), ("rate1", "median_tpot_ms", "TPOT p50 ms @1/s"),
            ("saturation", "output_throughput", "output tok/s saturated")]
 
 
-class VLLMServer:
-    """`vllm serve` from the peer venv, pinned to core 0 (see ../shared/peer/README.md)."""
+VLLM_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+            "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0"}
 
-    def __init__(self, venv: str, model: str, port: int, log_path: str) -> None:
-        self.port, self.log_path = port, log_path
-        self.argv = ["taskset", "-c", "0", os.path.join(venv, "venv", "bin", "vllm"), "serve", model,
-                     "--served-model-name", "bench", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-                     "--max-model-len", "2048", "--max-num-seqs", "32", "--max-num-batched-tokens", "2048"]
-        self.env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
-                    "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0"}
-        self.proc: subprocess.Popen | None = None
 
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+def vllm_server(venv: str, model: str, log_path: str) -> ServerProcess:
+    """`vllm serve` from the peer venv with kvpush's limits (see ../shared/peer/README.md)."""
+    argv = ["serve", model, "--served-model-name", "bench", "--host", "127.0.0.1", "--port", str(free_port()),
+            "--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "32", "--max-num-batched-tokens", "2048"]
+    return ServerProcess(argv, env=VLLM_ENV, log_path=log_path, prefix=CORE0,
+                         program=[os.path.join(venv, "venv", "bin", "vllm")])
 
-    def __enter__(self) -> VLLMServer:
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vllm exited with {self.proc.returncode}; log: {self.log_path}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return self
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                time.sleep(1)
-        raise RuntimeError(f"vllm not healthy after 600 s; log: {self.log_path}")
 
-    def __exit__(self, *exc) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+def kvpush_server(model: str, compile_mode: str, log_path: str) -> ServerProcess:
+    argv = ["serve", model, "--port", str(free_port()), "--torch-threads", "1", "--compile", compile_mode, *SAME_LIMITS]
+    return ServerProcess(argv, log_path=log_path, prefix=CORE0)
 
 
 def run_probe(url: str, label: str, probe: str, out: Path, seed: int) -> dict:
@@ -121,25 +95,19 @@ def others_stopped(pids: dict[str, int], probed: str, enabled: bool) -> Iterator
 
 def start_all(stack: ExitStack, args: argparse.Namespace, out: Path) -> tuple[dict[str, str], dict[str, int]]:
     """Every server up at once on core 0: {label: url}, {label: pid}. Startup seconds are printed."""
+    servers = {f"kvpush compile={m}": kvpush_server(args.model, m, str(out / f"kvpush-{m}.log"))
+               for m in args.kvpush_compile.split(",")}
+    if args.vllm:
+        servers["vLLM-cpu"] = vllm_server(args.vllm, args.model, str(out / "vllm.log"))
     urls: dict[str, str] = {}
     pids: dict[str, int] = {}
-    for mode in args.kvpush_compile.split(","):
-        label = f"kvpush compile={mode}"
-        server = ServerProcess(["serve", args.model, "--port", str(free_port()), "--torch-threads", "1",
-                                "--compile", mode, *SAME_LIMITS], log_path=str(out / f"kvpush-{mode}.log"), prefix=["taskset", "-c", "0"])
+    for label, server in servers.items():
         t = time.monotonic()
-        server.start()
-        stack.callback(server.stop)
-        server.wait_healthy(600)
+        stack.enter_context(server)
+        server.wait_healthy(600)  # vLLM-cpu: 40-170 s here
         print(f"{label}: ready in {time.monotonic() - t:.0f} s", flush=True)
         assert server.proc is not None
         urls[label], pids[label] = server.url, server.proc.pid
-    if args.vllm:
-        t = time.monotonic()
-        vllm = stack.enter_context(VLLMServer(args.vllm, args.model, free_port(), str(out / "vllm.log")))
-        print(f"vLLM-cpu: ready in {time.monotonic() - t:.0f} s", flush=True)
-        assert vllm.proc is not None
-        urls["vLLM-cpu"], pids["vLLM-cpu"] = vllm.url, vllm.proc.pid
     return urls, pids
 
 

@@ -1,4 +1,4 @@
-"""Push vs pull vs colocated across request rates, with repeats (the README's table and plots).
+"""Push vs pull vs colocated across request rates, with repeats (docs/results/push-vs-pull.md: its tables and plots).
 
     python benchmarks/push_vs_pull.py [--rates 0.5 1 2 4] [--num-prompts 50] [--repeats 4]
                                       [--input-len 512] [--output-len 32] [--result-dir DIR] [--no-pin]

@@ -49,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kvpush.argtypes import non_negative_float, unit_fraction  # noqa: E402
 from kvpush.bench.regime import link_dir  # noqa: E402
+from kvpush.protocol.trace import Trace  # noqa: E402
 from kvpush.proxy.auto.choice import CostModel, Decision, Route  # noqa: E402
 from kvpush.proxy.auto.records import Outcome, outcome  # noqa: E402
 
@@ -148,7 +149,7 @@ def load_answers(result_dir: Path) -> Answers:
 
 def answer_outcome(q: dict) -> Outcome:
     """What an answer teaches; a colocated server's has no proxy stamps: its client TTFT stands in."""
-    out = outcome(q.get("kvpush_trace"), None)
+    out = outcome(Trace.from_json(q.get("kvpush_trace")), None)
     if out.ttft_s is None:
         out.ttft_s = float(q["ttft_s"])
     return out
@@ -181,7 +182,7 @@ def replay(runs: list[dict], cells: dict, model: CostModel, answers: Answers | N
         if measured and as_run and as_run > 0:
             cell.run_errors.append(abs(math.log(measured * 1e3 / as_run)))
         if not learn_picked:
-            model.observe(d, outcome(q["kvpush_trace"], None))
+            model.observe(d, outcome(Trace.from_json(q["kvpush_trace"]), None))
         elif (a := fixed.get(ROUTE_MODE[picked.route.value])) is not None:
             model.observe(picked, answer_outcome(a))
     return list(results.values())

@@ -37,8 +37,9 @@ from pathlib import Path
 import numpy as np
 
 from kvpush.bench import cli as bench_cli
+from kvpush.bench.compare import compare
 from kvpush.bench.demo import ensure_model
-from kvpush.bench.report import compare, fmt_rate, format_table, load_run
+from kvpush.bench.report import fmt_rate, format_table, load_run
 from kvpush.bench.stats import Stat, fmt_ci, p50, p99, ratio_ci, verdict
 from kvpush.bench.suite import SuiteConfig, bench_args, process_tree_cpu
 from kvpush.config import default_model_dir

@@ -249,7 +249,7 @@ class ProxyConfig:
     # --kv-mode auto: how much a local prefill's stall of D's running requests counts against it
     # (1.0: each running request's delay counts as much as this request's TTFT; 3: a ms of their decode
     # time as 3 ms of TTFT; with it the mixed workload's TPOT was within 5% of the fixed modes' and its
-    # TTFT p99 >= 20% better in auto_mixed14w3q8, while a side-by-side run could not tell 3 from 1: README)
+    # TTFT p99 >= 20% better in auto_mixed14w3q8, while a side-by-side run could not tell 3 from 1: docs/results/regime-map.md)
     auto_stall_weight: float = 3.0
     # --kv-mode auto: D prefills locally only what it can prefill in this long (a tail guard: that much of
     # D's time taken from its decoding requests, chunked or not), unless
@@ -260,21 +260,21 @@ class ProxyConfig:
     auto_local_share: float = 1.0
     auto_local_window_s: float = 10.0  # also the window of P's busy fraction (auto_busy_period)
     # --kv-mode auto: when a remote route is the cheapest, another remote route whose cost is within this
-    # fraction of its cost is taken once 10 decisions went by without it (kv_choice.CostModel.tied): near
+    # fraction of its cost is taken once 10 decisions went by without it (choice.CostModel.tied): near
     # ties settled by measuring; 0: off (the default: replayed with --learn picked over 189 cells of 13 maps,
-    # 0.2 scored 1.040 x the best fixed mode's TTFT p50 against 1.016 without; README "Replaying auto's cost model")
+    # 0.2 scored 1.040 x the best fixed mode's TTFT p50 against 1.016 without; docs/results/regime-map.md, "Replaying auto's cost model")
     auto_near_tie: float = 0.0
     # --kv-mode auto: another remote route replaces the incumbent one of the request's size class (the remote route
     # the last free choice between remote routes settled on for that class) only when its cost is lower by more
-    # than this fraction (kv_choice.CostModel.cheapest):
+    # than this fraction (choice.CostModel.cheapest):
     # remote routes differ by less than the fits' error on this machine; 0: plain cheapest
     auto_switch_margin: float = 0.2
     # --kv-mode auto: weight of the newest answer in a route's residual correction (the route's recent
     # log(measured / fitted TTFT, the queue ahead left out) per size class of the uncached prompt,
-    # kv_fit.Residuals); 0: off
+    # fit.Residuals); 0: off
     auto_residual_alpha: float = 0.2
     # --kv-mode auto: the delay a remote route's prefill causes the requests behind it at P counts each one
-    # 1 / (1 - P's busy fraction) times (the rest of P's busy period waits too; kv_choice.CostModel.busy_factor);
+    # 1 / (1 - P's busy fraction) times (the rest of P's busy period waits too; choice.CostModel.busy_factor);
     # off: once each (the default, with which the grid's 36 cells were measured)
     auto_busy_period: bool = False
 

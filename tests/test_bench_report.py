@@ -10,8 +10,9 @@ import msgspec
 import pytest
 
 from kvpush.bench.cli import add_compare_arguments, run_compare
+from kvpush.bench.compare import compare
 from kvpush.bench.metrics import RequestRecord, compute_metrics
-from kvpush.bench.report import compare, format_table, load_run
+from kvpush.bench.report import format_table, load_run
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

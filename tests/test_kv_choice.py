@@ -7,6 +7,7 @@ import math
 
 import pytest
 
+from kvpush.protocol.trace import Trace
 from kvpush.proxy.auto.choice import (
     AFTER_OFFSETS,
     AFTER_SLOPES,
@@ -19,16 +20,20 @@ from kvpush.proxy.auto.choice import (
     Decision,
     Line,
     Route,
-    incumbent_key,
 )
 from kvpush.proxy.auto.fit import BusyMeter, LocalBudget, RouteFit
 from kvpush.proxy.auto.prefix import PrefixTracker, PromptKey
-from kvpush.proxy.auto.records import Outcome, outcome
+from kvpush.proxy.auto.records import Outcome, incumbent_key, outcome
 from kvpush.proxy.auto.router import AutoRouter
-from kvpush.proxy.legs import prefill_trace
+from kvpush.proxy.request import ClientRequest
 
 BS = 8
 PAIR = ("http://p", "http://d")
+
+
+def req(body: dict) -> ClientRequest:
+    """A client's request as the proxy parsed it."""
+    return ClientRequest.of("/v1/chat/completions" if "messages" in body else "/v1/completions", body)
 
 
 def test_line_fits_a_straight_line_and_answers_its_prior_before_enough_samples():
@@ -67,37 +72,37 @@ def ids(n: int, seed: int = 0) -> list[int]:
 
 def test_token_id_prompts_match_by_whole_blocks():
     t = PrefixTracker()
-    t.record(PromptKey.of({"prompt": ids(5 * BS)}, BS))
-    assert t.matched(PromptKey.of({"prompt": ids(5 * BS) + [1, 2, 3]}, BS)) == 5
-    assert t.matched(PromptKey.of({"prompt": ids(3 * BS + 4)}, BS)) == 3
+    t.record(PromptKey.of(req({"prompt": ids(5 * BS)}), BS))
+    assert t.matched(PromptKey.of(req({"prompt": ids(5 * BS) + [1, 2, 3]}), BS)) == 5
+    assert t.matched(PromptKey.of(req({"prompt": ids(3 * BS + 4)}), BS)) == 3
     other = ids(5 * BS)
     other[BS + 1] += 1  # differs in block 1: only block 0 is shared
-    assert t.matched(PromptKey.of({"prompt": other}, BS)) == 1
-    assert t.matched(PromptKey.of({"prompt": ids(5 * BS, seed=1)}, BS)) == 0
-    key = PromptKey.of({"prompt": ids(5 * BS + 3)}, BS)
+    assert t.matched(PromptKey.of(req({"prompt": other}), BS)) == 1
+    assert t.matched(PromptKey.of(req({"prompt": ids(5 * BS, seed=1)}), BS)) == 0
+    key = PromptKey.of(req({"prompt": ids(5 * BS + 3)}), BS)
     assert key.exact_tokens == 5 * BS + 3 and key.unit_tokens == BS
-    odd = PromptKey.of({"prompt": ids(2 * BS) + [1.5]}, BS)  # not token ids: counted as text, never exact
+    odd = PromptKey.of(req({"prompt": ids(2 * BS) + [1.5]}), BS)  # not token ids: counted as text, never exact
     assert odd.exact_tokens is None and odd.unit_tokens is None
 
 
 def test_chat_turns_share_the_conversation_prefix():
     t = PrefixTracker()
     turn1 = [{"role": "system", "content": "s" * 300}, {"role": "user", "content": "first question " * 10}]
-    t.record(PromptKey.of({"messages": turn1}, BS))
+    t.record(PromptKey.of(req({"messages": turn1}), BS))
     turn2 = turn1 + [{"role": "assistant", "content": "an answer " * 20}, {"role": "user", "content": "more"}]
-    key2 = PromptKey.of({"messages": turn2}, BS)
+    key2 = PromptKey.of(req({"messages": turn2}), BS)
     matched = t.matched(key2)
-    assert matched == len(PromptKey.of({"messages": turn1}, BS).hashes) and 0 < matched < len(key2.hashes)
-    assert t.matched(PromptKey.of({"messages": [{"role": "user", "content": "x" * 500}]}, BS)) == 0
+    assert matched == len(PromptKey.of(req({"messages": turn1}), BS).hashes) and 0 < matched < len(key2.hashes)
+    assert t.matched(PromptKey.of(req({"messages": [{"role": "user", "content": "x" * 500}]}), BS)) == 0
 
 
 def test_tracker_is_lru_bounded():
     t = PrefixTracker(capacity=10)
-    t.record(PromptKey.of({"prompt": ids(8 * BS)}, BS))
-    t.record(PromptKey.of({"prompt": ids(8 * BS, seed=3)}, BS))
+    t.record(PromptKey.of(req({"prompt": ids(8 * BS)}), BS))
+    t.record(PromptKey.of(req({"prompt": ids(8 * BS, seed=3)}), BS))
     assert len(t.units) == 10
-    assert t.matched(PromptKey.of({"prompt": ids(8 * BS)}, BS)) == 0  # its first blocks went first
-    assert t.matched(PromptKey.of({"prompt": ids(8 * BS, seed=3)}, BS)) == 8
+    assert t.matched(PromptKey.of(req({"prompt": ids(8 * BS)}), BS)) == 0  # its first blocks went first
+    assert t.matched(PromptKey.of(req({"prompt": ids(8 * BS, seed=3)}), BS)) == 8
 
 
 def decision(tokens=512.0, d_prefix=0.0, p_prefix=0.0, d_running=0, p_queue=0.0, d_queue=0.0) -> Decision:
@@ -261,7 +266,7 @@ def test_every_nth_decision_explores_the_least_measured_then_the_least_recently_
 
 def test_forced_and_local_only_choices():
     r = AutoRouter()
-    body = {"prompt": ids(40)}
+    body = req({"prompt": ids(40)})
     assert r.decide(body, "http://p", "http://d", 0, BS, forced=Route.PULL).route is Route.PULL
     assert r.decide(body, None, "http://d", 5, BS).route is Route.LOCAL  # no usable prefill instance
 
@@ -269,78 +274,78 @@ def test_forced_and_local_only_choices():
 def test_router_tracks_queues_and_prefixes_and_learns_the_text_token_ratio():
     r = AutoRouter()
     text = "word " * 400  # 2000 characters
-    d = r.decide({"prompt": text}, "http://p", "http://d", 9, BS, forced=Route.PUSH)
+    d = r.decide(req({"prompt": text}), "http://p", "http://d", 9, BS, forced=Route.PUSH)
     assert d.tokens == pytest.approx(500)  # the prior 0.25 tokens per character
     r.dispatched(d)
     assert r.queued["http://p"] == pytest.approx(500)
-    again = r.decide({"prompt": text + " more"}, "http://p", "http://d", 9, BS, forced=Route.PUSH)
+    again = r.decide(req({"prompt": text + " more"}), "http://p", "http://d", 9, BS, forced=Route.PUSH)
     assert again.d_prefix > 0.9 * again.tokens and again.p_prefix > 0.9 * again.tokens
     r.prefilled(d)
     assert r.queued["http://p"] == 0
     trace = {"proxy_received": 100.0, "d_leg_sent": 100.001, "api_received": 50.0, "first_token": 50.2,
              "p_api_received": 70.0, "p_prefill_done": 70.15}
-    ratio = r.finished(d, trace, {"tokens": 400, "cached_tokens": 0})
+    ratio = r.finished(d, Trace.from_json(trace), {"tokens": 400, "cached_tokens": 0})
     assert ratio == pytest.approx(0.201 / d.estimates_s["push"])
     assert r.model.tokens_per_char < 0.25  # 400 tokens for 2000 characters pulls the ratio towards 0.2
     r.forget("http://d")
-    assert r.decide({"prompt": text}, "http://p", "http://d", 0, BS).d_prefix == 0
+    assert r.decide(req({"prompt": text}), "http://p", "http://d", 0, BS).d_prefix == 0
 
 
 def test_outcome_reads_one_clock_per_span_and_ignores_garbage():
-    o = outcome({"proxy_received": 10.0, "d_leg_sent": 10.5, "api_received": 900.0, "first_token": 900.25,
-                 "p_api_received": 1.0, "p_prefill_done": 1.125}, {"tokens": 7, "cached_tokens": 3})
+    o = outcome(Trace.from_json({"proxy_received": 10.0, "d_leg_sent": 10.5, "api_received": 900.0, "first_token": 900.25,
+                                 "p_api_received": 1.0, "p_prefill_done": 1.125}), {"tokens": 7, "cached_tokens": 3})
     assert (o.ttft_s, o.p_time_s, o.d_time_s, o.prompt_tokens, o.d_cached_tokens) == (0.75, 0.125, 0.25, 7, 3)
-    bad = outcome({"proxy_received": "x", "first_token": 1.0, "api_received": 2.0}, {"tokens": "7"})
+    bad = outcome(Trace.from_json({"proxy_received": "x", "first_token": 1.0, "api_received": 2.0}), {"tokens": "7"})
     assert (bad.ttft_s, bad.d_time_s, bad.prompt_tokens) == (None, None, None)
-    assert outcome(None, None).ttft_s is None
+    assert outcome(Trace.from_json(None), None).ttft_s is None
 
 
 def test_one_prompt_in_a_list_counts_like_the_prompt():
-    text_key = PromptKey.of({"prompt": ["word " * 100]}, BS)
-    assert text_key.chars == 500 and text_key.hashes == PromptKey.of({"prompt": "word " * 100}, BS).hashes
-    ids_key = PromptKey.of({"prompt": [ids(3 * BS)]}, BS)
+    text_key = PromptKey.of(req({"prompt": ["word " * 100]}), BS)
+    assert text_key.chars == 500 and text_key.hashes == PromptKey.of(req({"prompt": "word " * 100}), BS).hashes
+    ids_key = PromptKey.of(req({"prompt": [ids(3 * BS)]}), BS)
     assert ids_key.exact_tokens == 3 * BS and len(ids_key.hashes) == 3
 
 
 def test_queue_release_is_idempotent_and_reroutes_move_the_pair():
     r = AutoRouter()
-    d = r.decide({"prompt": ids(40)}, "http://p", "http://d", 0, BS, forced=Route.PULL)
+    d = r.decide(req({"prompt": ids(40)}), "http://p", "http://d", 0, BS, forced=Route.PULL)
     r.dispatched(d)
     r.prefilled(d)
     r.prefilled(d)  # a timer and the answer may both say so
     assert r.queued["http://p"] == 0
-    other = r.decide({"prompt": ids(40, seed=2)}, "http://p", "http://d", 0, BS, forced=Route.PULL)
+    other = r.decide(req({"prompt": ids(40, seed=2)}), "http://p", "http://d", 0, BS, forced=Route.PULL)
     r.dispatched(other)
     r.prefilled(d)
     assert r.queued["http://p"] == 40  # the other request's tokens are still queued
     r.rerouted(other, "http://d2")
     assert other.pair == ("http://p", "http://d2")
-    assert r.decide({"prompt": ids(40, seed=2)}, "http://p", "http://d2", 0, BS).d_prefix == 40
+    assert r.decide(req({"prompt": ids(40, seed=2)}), "http://p", "http://d2", 0, BS).d_prefix == 40
 
 
 def test_requests_waiting_for_their_prefill_do_not_count_as_decoding_on_d():
     """d_running counts D's requests past their prefill: those whose KV P still computes (or whose local
     prefill is queued) are not stalled by a local prefill, and move to decoding once prefilled."""
     r = AutoRouter()
-    waiting = [r.decide({"prompt": ids(40, seed=s)}, "http://p", "http://d", s, BS, forced=Route.PUSH) for s in range(3)]
+    waiting = [r.decide(req({"prompt": ids(40, seed=s)}), "http://p", "http://d", s, BS, forced=Route.PUSH) for s in range(3)]
     for d in waiting:
         r.dispatched(d)
-    assert r.decide({"prompt": ids(40, seed=9)}, "http://p", "http://d", 3, BS).d_running == 0
-    assert r.decide({"prompt": ids(40, seed=9)}, "http://p", "http://d", 5, BS).d_running == 2  # 2 others decode
+    assert r.decide(req({"prompt": ids(40, seed=9)}), "http://p", "http://d", 3, BS).d_running == 0
+    assert r.decide(req({"prompt": ids(40, seed=9)}), "http://p", "http://d", 5, BS).d_running == 2  # 2 others decode
     r.prefilled(waiting[0])
     r.prefilled(waiting[0])  # idempotent
-    assert r.decide({"prompt": ids(40, seed=9)}, "http://p", "http://d", 3, BS).d_running == 1
+    assert r.decide(req({"prompt": ids(40, seed=9)}), "http://p", "http://d", 3, BS).d_running == 1
     r.rerouted(waiting[1], "http://d2")  # still pending: it now waits on d2
-    assert r.decide({"prompt": ids(40, seed=9)}, "http://p", "http://d2", 1, BS).d_running == 0
-    assert r.decide({"prompt": ids(40, seed=9)}, "http://p", "http://d", 2, BS).d_running == 1
+    assert r.decide(req({"prompt": ids(40, seed=9)}), "http://p", "http://d2", 1, BS).d_running == 0
+    assert r.decide(req({"prompt": ids(40, seed=9)}), "http://p", "http://d", 2, BS).d_running == 1
 
 
 def test_an_answer_recomputed_after_a_failed_transfer_teaches_nothing():
     r = AutoRouter()
-    d = r.decide({"prompt": ids(40)}, "http://p", "http://d", 0, BS, forced=Route.PUSH)
+    d = r.decide(req({"prompt": ids(40)}), "http://p", "http://d", 0, BS, forced=Route.PUSH)
     trace = {"proxy_received": 1.0, "d_leg_sent": 1.001, "api_received": 5.0, "first_token": 9.0,
              "p_api_received": 2.0, "p_prefill_done": 2.1, "kv_fallback_local": 8.0}
-    assert r.finished(d, trace, {"tokens": 40, "cached_tokens": 0}) is None
+    assert r.finished(d, Trace.from_json(trace), {"tokens": 40, "cached_tokens": 0}) is None
     assert r.model.samples[Route.PUSH] == 0 and r.model.rest.n == 0
 
 
@@ -384,14 +389,14 @@ def test_router_goes_remote_once_ds_local_budget_is_spent_and_local_again_when_i
     r = AutoRouter(local_share=0.1, local_window_s=1.0, clock=lambda: now[0], near_tie=0.0)  # 0.1 s of D prefill
     # 40 new tokens: the priors put D's prefill at 16 ms, cheaper than any remote route
     def route(seed: int, p_url: str | None = "http://p") -> Route:
-        d = r.decide({"prompt": ids(40, seed=seed)}, p_url, "http://d", 0, BS)
+        d = r.decide(req({"prompt": ids(40, seed=seed)}), p_url, "http://d", 0, BS)
         r.dispatched(d)
         r.prefilled(d)
         return d.route
 
     assert [route(s) for s in range(7)] == [Route.LOCAL] * 6 + [Route.PUSH]
     assert route(7, p_url=None) is Route.LOCAL  # no usable P: local regardless (and charged)
-    forced = r.decide({"prompt": ids(40, seed=99)}, "http://p", "http://d", 0, BS, forced=Route.LOCAL)
+    forced = r.decide(req({"prompt": ids(40, seed=99)}), "http://p", "http://d", 0, BS, forced=Route.LOCAL)
     r.dispatched(forced)  # a route the client named is charged too
     r.prefilled(forced)
     assert r.budget.available("http://d", 0.0) == pytest.approx(0.004 - 0.032)
@@ -523,7 +528,7 @@ def test_with_busy_period_the_delay_to_those_behind_at_p_grows_with_ps_busy_frac
 def test_the_router_measures_how_busy_each_p_is():
     now = [0.0]
     r = AutoRouter(clock=lambda: now[0], local_window_s=10.0)
-    body = {"prompt": ids(40, seed=1)}
+    body = req({"prompt": ids(40, seed=1)})
     first = r.decide(body, "http://p", "http://d", 0, BS, forced=Route.PUSH)
     assert first.p_busy == 0.0
     r.dispatched(first)
@@ -542,7 +547,7 @@ def test_p_stays_busy_until_its_last_leg_is_answered_and_local_legs_leave_it_idl
     now = [0.0]
     r = AutoRouter(clock=lambda: now[0], local_window_s=10.0, busy_period=True)
     assert r.model.busy_period and not AutoRouter().model.busy_period
-    body = {"prompt": ids(40, seed=2)}
+    body = req({"prompt": ids(40, seed=2)})
     a, b = (r.decide(body, "http://p", "http://d", 0, BS, forced=Route.PUSH) for _ in range(2))
     r.dispatched(a)
     r.dispatched(b)
@@ -570,7 +575,7 @@ def test_the_proxy_hands_the_busy_period_switch_to_its_router():
 
 def test_the_router_counts_the_requests_queued_at_each_p():
     r = AutoRouter()
-    body = {"prompt": ids(40, seed=1)}
+    body = req({"prompt": ids(40, seed=1)})
     first = r.decide(body, "http://p", "http://d", 0, BS, forced=Route.PUSH)
     r.dispatched(first)
     second = r.decide(body, "http://p", "http://d", 1, BS, forced=Route.PULL)
@@ -644,7 +649,7 @@ def test_no_near_tie_beyond_its_margin_nor_against_a_cheaper_local():
     only = m.choose(decision(tokens=128), (Route.PULL,))
     assert only.reason == "only"
     r = AutoRouter()
-    assert r.decide({"prompt": ids(40)}, "http://p", "http://d", 0, BS, forced=Route.PULL).reason == "forced"
+    assert r.decide(req({"prompt": ids(40)}), "http://p", "http://d", 0, BS, forced=Route.PULL).reason == "forced"
 
 
 def test_the_residual_correction_follows_the_remote_routes_recent_error_per_size_class():
@@ -830,19 +835,19 @@ def test_ps_time_to_answer_is_learned_per_route_over_the_tokens_moved_and_charge
 def test_outcome_reads_p_after_the_prefill_from_ps_own_stamps():
     trace = {"proxy_received": 10.0, "d_leg_sent": 10.001, "api_received": 50.0, "first_token": 50.3,
              "p_api_received": 80.0, "p_prefill_done": 80.25, "p_answered": 80.256}
-    out = outcome(trace, {"tokens": 1024, "cached_tokens": 0})
+    out = outcome(Trace.from_json(trace), {"tokens": 1024, "cached_tokens": 0})
     assert out.p_after_s == pytest.approx(0.006) and out.p_time_s == pytest.approx(0.25)
-    assert outcome({**trace, "p_answered": 80.2}, None).p_after_s is None  # stamps out of order: unmeasured
-    assert outcome({k: v for k, v in trace.items() if k != "p_answered"}, None).p_after_s is None
+    assert outcome(Trace.from_json({**trace, "p_answered": 80.2}), None).p_after_s is None  # out of order: unmeasured
+    assert outcome(Trace.from_json({k: v for k, v in trace.items() if k != "p_answered"}), None).p_after_s is None
 
 
 def test_ps_own_stamps_reach_the_outcome_under_the_names_the_proxy_gives_them():
-    """P's answer carries its engine's and API's stamps; the proxy renames them (proxy_legs.prefill_trace)
+    """P's answer carries its engine's and API's stamps; the proxy renames them (Trace.as_prefill)
     and merges them with D's: the outcome's P spans come from P's stamps alone."""
     p_trace = {"api_received": 80.0, "arrived": 80.001, "prefill_done": 80.25, "api_answered": 80.256, "other": 1.0}
     merged = {"proxy_received": 10.0, "d_leg_sent": 10.001, "api_received": 50.0, "first_token": 50.3,
-              **prefill_trace(p_trace)}
-    out = outcome(merged, None)
+              **Trace.from_json(p_trace).as_prefill().stamps()}
+    out = outcome(Trace.from_json(merged), None)
     assert out.p_time_s == pytest.approx(0.25) and out.p_after_s == pytest.approx(0.006)
     assert out.ttft_s == pytest.approx(0.301)
 

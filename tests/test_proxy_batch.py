@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from kvpush.config import FirstToken
-from kvpush.proxy.batch import batched_prompts, sum_usage
-from kvpush.proxy.proxy import first_token_for, prefill_body
+from kvpush.config import FirstToken, KVMode
+from kvpush.protocol import kv_params as kp
+from kvpush.proxy.batch import sum_usage
+from kvpush.proxy.request import ClientRequest
 
 C = "/v1/completions"
 
@@ -23,11 +24,11 @@ C = "/v1/completions"
     (None, None),
 ])
 def test_batched_prompts(prompt, expected):
-    assert batched_prompts(C, {"prompt": prompt}) == expected
+    assert ClientRequest.of(C, {"prompt": prompt}).batch() == expected
 
 
 def test_chat_is_never_split():
-    assert batched_prompts("/v1/chat/completions", {"prompt": ["a", "b"]}) is None
+    assert ClientRequest.of("/v1/chat/completions", {"prompt": ["a", "b"]}).batch() is None
 
 
 def test_usage_summed_field_by_field():
@@ -49,10 +50,11 @@ def test_usage_summed_field_by_field():
     ({"logprobs": None}, FirstToken.FROM_PREFILL),
 ])
 def test_first_token_recomputed_where_p_cannot_match(body, expected):
-    assert first_token_for(body, FirstToken.FROM_PREFILL) is expected
-    assert first_token_for(body, FirstToken.RECOMPUTE) is FirstToken.RECOMPUTE
+    assert ClientRequest.of(C, body).first_token(FirstToken.FROM_PREFILL) is expected
+    assert ClientRequest.of(C, body).first_token(FirstToken.RECOMPUTE) is FirstToken.RECOMPUTE
 
 
 def test_prefill_leg_is_the_clients_body():
     body = {"prompt": "a", "max_tokens": 50, "stream": True, "logprobs": 2, "min_tokens": 3}
-    assert prefill_body(body, {"transfer_id": "t"}) == {**body, "kv_transfer_params": {"transfer_id": "t"}}
+    params = kp.PrefillLegParams(transfer_id=kp.new_transfer_id(), mode=KVMode.PUSH)
+    assert ClientRequest.of(C, body).leg(params) == {**body, "kv_transfer_params": kp.params_to_dict(params)}

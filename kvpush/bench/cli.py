@@ -34,6 +34,7 @@ from typing import Any
 import msgspec
 
 from kvpush.argtypes import positive_float
+from kvpush.bench.compare import compare
 from kvpush.bench.datasets import (
     DatasetError,
     Sample,
@@ -45,7 +46,7 @@ from kvpush.bench.datasets import (
 )
 from kvpush.bench.loadgen import BenchmarkAborted, LoadConfig, RunResult, fetch_model, run_load_sync
 from kvpush.bench.metrics import BenchmarkMetrics, compute_metrics, parse_slo
-from kvpush.bench.report import compare, fmt_rate, format_table, load_run
+from kvpush.bench.report import fmt_rate, format_table, load_run
 from kvpush.bench.trace import format_critical_path
 
 DEFAULT_RESULT_DIR = "kvpush-results"

@@ -22,8 +22,9 @@ from typing import TYPE_CHECKING
 
 from kvpush.bench import cli as bench_cli
 from kvpush.bench.calibrate import CalibrationConfig, calibrate
+from kvpush.bench.compare import compare
 from kvpush.bench.modes import parse, variant_name
-from kvpush.bench.report import compare, format_handover, format_phases, format_table, load_run
+from kvpush.bench.report import format_handover, format_phases, format_table, load_run
 from kvpush.flags import add_auto_arguments, add_scheduler_arguments, scheduler_config_from_args
 from kvpush.launcher.launch import ServerProcess, free_port
 from kvpush.launcher.up import Deployment

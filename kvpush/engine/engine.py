@@ -30,6 +30,7 @@ from kvpush.engine.scheduler import Scheduler
 from kvpush.errors import InvalidRequestError
 from kvpush.models.loader import load_model
 from kvpush.protocol.kv_params import PrefillResult, RequestLegParams
+from kvpush.protocol.trace import Trace
 
 
 @dataclass
@@ -45,7 +46,7 @@ class EngineOutput:
     error: str | None = None
     shed: str | None = None  # why the request was refused for lack of capacity (engine/admission.py)
     kv_transfer_params: PrefillResult | None = None  # P's answer for the proxy
-    trace: dict[str, float] | None = None
+    trace: Trace | None = None
 
 
 class LLMEngine:
@@ -108,7 +109,7 @@ class LLMEngine:
                     kv_transfer_params: RequestLegParams | None = None) -> Request:
         """Queue a request. Raises InvalidRequestError (nothing queued) if it can never run here."""
         request = self.make_request(request_id, prompt_token_ids, params)
-        request.trace["arrived"] = time.time()
+        request.trace.arrived = time.time()
         if self.connector is not None:
             self.connector.on_add(request, kv_transfer_params)
         elif kv_transfer_params is not None:
@@ -168,7 +169,7 @@ class LLMEngine:
     def on_token(self, request: Request) -> None:
         """Called after a request got a token (it may have finished)."""
         if request.num_output_tokens == 1:
-            request.trace["first_token"] = time.time()
+            request.trace.first_token = time.time()
 
     def _output(self, request: Request, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> EngineOutput:
         return EngineOutput(
@@ -181,7 +182,7 @@ class LLMEngine:
             error=request.error,
             shed=request.shed,
             kv_transfer_params=self._kv_result(request),
-            trace=dict(request.trace) if request.is_finished else None,
+            trace=msgspec.structs.replace(request.trace) if request.is_finished else None,
         )
 
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvpush.engine.sampling_params import SamplingParams, TokenLogprob
+from kvpush.protocol.trace import Trace
 
 
 class RequestStatus(enum.Enum):
@@ -68,7 +69,7 @@ class Request:
     shed: str | None = None  # the request was refused for lack of capacity (a ShedReason): HTTP 429, not a fault
     generator: torch.Generator | None = None
     # Timestamps (time.time()) of the request's handover breakdown; filled by roles that move KV.
-    trace: dict[str, float] = field(default_factory=dict)
+    trace: Trace = field(default_factory=Trace)
     # Opaque per-request state of the KV connector (decode/prefill roles), owned by the connector.
     kv_state: object | None = None
 

@@ -32,6 +32,7 @@ from kvpush.instance.openai_protocol import ChatCompletionRequest, CompletionReq
 from kvpush.models.tokenizer import Tokenizer
 from kvpush.protocol import http as H
 from kvpush.protocol.kv_params import KVInfo, RequestLegParams
+from kvpush.protocol.trace import Trace
 
 OPEN_PATHS = {"/health", "/metrics", "/v1/kv_info", "/query"}
 
@@ -216,7 +217,7 @@ class OpenAIServer:
             self._check_prompt(p, params, body.max_tokens is not None)
         self._admit(ids, kv)
         rid = self._new_id("cmpl")
-        states = [GenState(f"{rid}-{i}", p, stamps={"api_received": received}) for i, p in enumerate(ids)]
+        states = [GenState(f"{rid}-{i}", p, stamps=Trace(api_received=received)) for i, p in enumerate(ids)]
         for s in states:
             self.generator.submit(s, params, kv)
         try:
@@ -296,7 +297,7 @@ class OpenAIServer:
         params = self._check_prompt(ids, body.sampling_params(default, body.chat_logprobs()), max_tokens is not None)
         self._admit([ids], kv)
         rid = self._new_id("chatcmpl")
-        state = GenState(rid, ids, stamps={"api_received": received})
+        state = GenState(rid, ids, stamps=Trace(api_received=received))
         self.generator.submit(state, params, kv)
         try:
             return await self._chat(request, body, rid, state, params, kv, vllm)
@@ -332,7 +333,7 @@ def _stamp(states: list[GenState], name: str) -> None:
     taken just before it is written (after the write the client may already hold it)."""
     now = time.time()
     for s in states:
-        s.stamps.setdefault(name, now)
+        s.stamps.set_once(name, now)
 
 
 class LazyStream:

@@ -165,8 +165,8 @@ class EngineCore:
         now = time.time()
         for o in outputs:
             request = self.engine.scheduler.requests.get(o.request_id)
-            if request is not None and o.new_token_ids and "core_sent" not in request.trace:
-                request.trace["core_sent"] = now
+            if request is not None and o.new_token_ids and request.trace.core_sent is None:
+                request.trace.core_sent = now
 
     def _stats_key(self) -> tuple[int, ...]:
         """Cheap summary of the state /metrics shows: stats go out at once when it changes."""

@@ -20,6 +20,7 @@ from kvpush.instance.engine_client import EngineClient
 from kvpush.instance.metrics import ServerMetrics
 from kvpush.models.tokenizer import IncrementalDetokenizer, Tokenizer
 from kvpush.protocol.kv_params import PrefillResult, RequestLegParams
+from kvpush.protocol.trace import Trace
 
 
 class EngineRequestError(KVPushError):
@@ -53,8 +54,8 @@ class GenState:
     finish_reason: str | None = None
     num_cached_tokens: int = 0
     kv_transfer_params: PrefillResult | None = None
-    trace: dict[str, float] | None = None
-    stamps: dict[str, float] = field(default_factory=dict)  # the API process's trace timestamps
+    trace: Trace | None = None  # the engine's, with the request's last output
+    stamps: Trace = field(default_factory=Trace)  # the API process's own
     queue: asyncio.Queue | None = None  # set by submit(): the engine knows the request from then on
     submitted_at: float = 0.0
 
@@ -95,8 +96,8 @@ class Generator:
                     raise EngineRequestError(delta.error or "request failed", delta.error_status, delta.shed)
                 if first is None and delta.new_token_ids:
                     first = time.monotonic()
-                    state.stamps["api_got"] = self.engine.first_received.get(state.request_id, 0.0)
-                    state.stamps["api_dequeued"] = time.time()
+                    state.stamps.api_got = self.engine.first_received.get(state.request_id, 0.0)
+                    state.stamps.api_dequeued = time.time()
                 yield self._apply(state, delta, detok)
         finally:
             self.engine.first_received.pop(state.request_id, None)

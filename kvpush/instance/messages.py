@@ -11,6 +11,7 @@ import msgspec
 
 from kvpush.engine.sampling_params import SamplingParams
 from kvpush.protocol.kv_params import PrefillResult, RequestLegParams
+from kvpush.protocol.trace import Trace
 from kvpush.transfer.stats import TransferStats
 
 
@@ -57,7 +58,7 @@ class RequestDelta(msgspec.Struct):
     error_status: int = 500  # HTTP status the API answers with when finish_reason is "error"
     shed: str | None = None  # refused for lack of capacity (a ShedReason; error_status 429)
     kv_transfer_params: PrefillResult | None = None  # P's answer for the proxy
-    trace: dict[str, float] | None = None
+    trace: Trace | None = None
 
 
 class EngineStats(msgspec.Struct):

@@ -9,6 +9,7 @@ import msgspec
 from kvpush.instance.generation import GenEvent, GenState
 from kvpush.instance.messages import LogprobEntry
 from kvpush.models.tokenizer import Tokenizer
+from kvpush.protocol.trace import Trace
 
 _json = msgspec.json.Encoder()
 
@@ -26,8 +27,9 @@ def extras(state: GenState) -> dict:
     out: dict = {}
     if state.kv_transfer_params is not None:
         out["kv_transfer_params"] = state.kv_transfer_params
-    if state.trace or state.stamps:
-        out["kvpush_trace"] = {**(state.trace or {}), **state.stamps}
+    trace = (state.trace or Trace()).merged(state.stamps).stamps()
+    if trace:
+        out["kvpush_trace"] = trace
         # what --kv-mode auto learns from: the prompt's length and how much of it was cached here
         out["kvpush_prompt"] = {"tokens": len(state.prompt_token_ids), "cached_tokens": state.num_cached_tokens}
     return out

@@ -69,7 +69,7 @@ def pack_on_huge_pages(model: torch.nn.Module) -> int:
     Why: a decode step reads every weight once, and with 4 KiB pages each step walks ~13,500 pages
     of the bench preset's 55 MB; on 2 MiB pages, 27. Measured on the bench preset (compiled, one
     thread, the same process alternating between two engines, `benchmarks/engine_ab.py`): see the
-    README's engine section. Tensors are moved one at a time, so memory peaks at the model's size
+    docs/results/engine.md. Tensors are moved one at a time, so memory peaks at the model's size
     plus its largest tensor, not at twice the model (the heap is trimmed after the moves). A tensor that
     is a view of a larger storage (shares it with others) stays where it is."""
     tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]

@@ -25,7 +25,7 @@ from aiohttp import web
 
 from kvpush.protocol import http as H
 from kvpush.protocol import kv_params as kp
-from kvpush.protocol.prompts import split_prompt
+from kvpush.proxy.request import ClientRequest
 
 if TYPE_CHECKING:
     from kvpush.proxy.proxy import Leg, Proxy
@@ -33,18 +33,9 @@ if TYPE_CHECKING:
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
 
-def batched_prompts(path: str, body: dict) -> list | None:
-    """The prompts of a completions request with more than one; None for anything else (including
-    bodies an instance rejects: they go to one P/D pair, which answers the 4xx)."""
-    if path != "/v1/completions":
-        return None
-    prompts = split_prompt(body.get("prompt"))
-    return prompts if prompts is not None and len(prompts) > 1 else None
-
-
-async def serve_batch(proxy: Proxy, request: web.Request, body: dict, prompts: list) -> web.StreamResponse:
+async def serve_batch(proxy: Proxy, request: web.Request, req: ClientRequest, prompts: list) -> web.StreamResponse:
     base = kp.new_transfer_id()
-    tasks = [asyncio.create_task(proxy.open_leg(request.path, dict(body, prompt=p), f"{base}-{i}",
+    tasks = [asyncio.create_task(proxy.open_leg(req.with_prompt(p), f"{base}-{i}",
                                                          forced=proxy.forced_route(request)))
              for i, p in enumerate(prompts)]
     legs = await _open_all(proxy, tasks)

@@ -10,9 +10,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import aiohttp
-from aiohttp import web
 
 from kvpush.config import FirstToken, KVMode
+from kvpush.protocol.trace import Trace
 from kvpush.proxy.auto.records import Decision
 from kvpush.proxy.pool import Instance
 
@@ -63,7 +63,7 @@ class Dispatch:
     transfer_id: str
     first_token: FirstToken
     mode: KVMode  # how the KV moves (a leg's mode: never auto)
-    trace: dict[str, float] = field(default_factory=dict)
+    trace: Trace = field(default_factory=Trace)
     p_task: asyncio.Task | None = None  # push: P's leg, possibly still running after D answered
     decision: Decision | None = None  # auto: the route chosen and why
 
@@ -82,43 +82,6 @@ def seconds(retry_after: str | None) -> float:
         return max(0.0, float(retry_after)) if retry_after is not None else 1.0
     except ValueError:
         return 1.0
-
-
-def prefill_body(body: dict, kv_params: dict) -> dict:
-    """P's leg: the client's request unchanged, so that P validates it as D does (same 4xx). P's connector
-    caps it to one token, and a prefill instance answers with one JSON body whatever `stream` says."""
-    return dict(body, kv_transfer_params=kv_params)
-
-
-def first_token_for(body: dict, configured: FirstToken) -> FirstToken:
-    """`from-prefill` only where P's first token is exactly what D would sample: not when the client
-    asks for logprobs (P's are not transferred) or samples with a seed (P's generator is not D's)."""
-    logprobs = body.get("logprobs")
-    wants_logprobs = logprobs is not None and logprobs is not False
-    temperature = body.get("temperature")
-    seeded = body.get("seed") is not None and (temperature is None or temperature != 0)
-    return FirstToken.RECOMPUTE if wants_logprobs or seeded else configured
-
-
-def prefill_trace(trace: object) -> dict[str, float]:
-    """P's timestamps under the names the handover breakdown uses."""
-    if not isinstance(trace, dict):
-        return {}
-    names = {"arrived": "p_admitted", "prefill_done": "p_prefill_done", "api_received": "p_api_received",
-             "api_answered": "p_answered"}
-    return {names[k]: float(v) for k, v in trace.items() if k in names and isinstance(v, (int, float))}
-
-
-def parse_body(raw: bytes) -> dict:
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise web.HTTPBadRequest(reason=f"malformed JSON body: {e}") from e
-    if not isinstance(body, dict):
-        raise web.HTTPBadRequest(reason="the request body must be a JSON object")
-    if "kv_transfer_params" in body:
-        raise web.HTTPBadRequest(reason="kv_transfer_params is set by the proxy, not by clients")
-    return body
 
 
 def merge_trace_json(data: bytes, annotate: Callable[[dict], None]) -> bytes:

@@ -65,7 +65,7 @@ class InstancePool:
         self.decodes = [Instance(u.rstrip("/"), "decode") for u in config.decode_urls]
         self._rr = {"prefill": itertools.count(), "decode": itertools.count()}
 
-    def _ready(self) -> bool:
+    def ready(self) -> bool:
         return any(i.usable for i in self.prefills) and any(i.usable for i in self.decodes)
 
     async def _probe_loop(self) -> None:

@@ -7,9 +7,10 @@ transfer_id, then
     pull: send P's leg, wait for its PrefillResult, forward it to D (DecodeLegParams with P's
           block ids); stream D's answer back.
     auto: per request one of push, push-layerwise, pull, or local (D alone prefills the plain
-          request), chosen by kv_router.AutoRouter (kv_choice.py's cost model); with no usable P, local. A client
+          request), chosen by auto/router.py's AutoRouter (auto/choice.py's cost model); with no usable P, local. A client
           may name the route (header X-KVPush-KV-Mode). The answer says which (kvpush_route).
-A completions request with several prompts is one such dispatch per prompt (batch.py).
+A completions request with several prompts is one such dispatch per prompt (batch.py); D's answer
+goes back to the client through relay.py.
 If a leg fails, the client gets that leg's error (OpenAI error JSON) and the other leg is
 cancelled; a client that disconnects cancels both legs (their instances abort the requests).
 Instances are re-probed (GET /v1/kv_info) every second: a restarted instance rejoins with its
@@ -33,7 +34,9 @@ from aiohttp import web
 from kvpush.config import KVMode, ProxyConfig
 from kvpush.protocol import http as H
 from kvpush.protocol import kv_params as kp
+from kvpush.protocol.trace import Trace
 from kvpush.proxy import batch
+from kvpush.proxy.app import build_app
 from kvpush.proxy.auto.records import Route
 from kvpush.proxy.auto.router import AutoRouter
 from kvpush.proxy.legs import (
@@ -43,24 +46,17 @@ from kvpush.proxy.legs import (
     LegError,
     PrefillFailed,
     cancel,
-    first_token_for,
-    merge_trace_json,
-    merge_trace_line,
-    parse_body,
-    prefill_body,
-    prefill_trace,
     retrieve,
     seconds,
-    wait_prefill,
 )
 from kvpush.proxy.metrics import ProxyMetrics
 from kvpush.proxy.pool import Instance, InstancePool
+from kvpush.proxy.relay import relay
+from kvpush.proxy.request import ClientRequest
 
 log = logging.getLogger("kvpush.proxy")
-ROUTES = ("/v1/completions", "/v1/chat/completions")
 ROUTE_HEADER = "X-KVPush-KV-Mode"  # a client may name the route of its request (auto proxies)
-NO_INSTANCE_RETRY_AFTER_S = 1  # Retry-After of the proxy's own 503 (no healthy instance of a role)
-__all__ = ["Proxy", "first_token_for", "prefill_body", "serve_proxy"]
+__all__ = ["Proxy", "serve_proxy"]
 
 
 
@@ -85,9 +81,9 @@ class Proxy(InstancePool):
         self.session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0),
                                              headers=headers)
         deadline = time.monotonic() + wait_s
-        while not self._ready() and time.monotonic() < deadline:
+        while not self.ready() and time.monotonic() < deadline:
             await self.probe_all()
-            if not self._ready():
+            if not self.ready():
                 await asyncio.sleep(0.5)
         self._prober = asyncio.create_task(self._probe_loop())
 
@@ -96,11 +92,11 @@ class Proxy(InstancePool):
             self._prober.cancel()
         if self.session is not None:
             await self.session.close()
-    def _ready(self) -> bool:
+    def ready(self) -> bool:
         """Auto serves from D alone when no P is usable (local route): a usable D is enough."""
         if self.auto is not None:
             return any(i.usable for i in self.decodes)
-        return super()._ready()
+        return super().ready()
 
     def restarted(self, inst: Instance) -> None:
         if self.auto is not None:
@@ -108,61 +104,19 @@ class Proxy(InstancePool):
 
     # ---- HTTP ----------------------------------------------------------------------------
     def build_app(self) -> web.Application:
-        app = web.Application(middlewares=[self.error_middleware], client_max_size=8 << 20)
-        for route in ROUTES:
-            app.router.add_post(route, self.handle)
-        app.router.add_get("/v1/models", self.models)
-        app.router.add_get("/health", self.health)
-        app.router.add_get("/metrics", self.metrics_endpoint)
-        app.router.add_post("/reset_prefix_cache", self.reset_prefix_caches)
-        return app
-
-    @web.middleware
-    async def error_middleware(self, request: web.Request, handler) -> web.StreamResponse:
-        key = self.config.api_key
-        guarded = request.path.startswith("/v1/") or request.path == "/reset_prefix_cache"
-        if key and guarded and request.headers.get("Authorization") != f"Bearer {key}":
-            return H.error_response(401, "invalid or missing API key")
-        try:
-            return await handler(request)
-        except LegError as e:
-            self.metrics.requests.labels(status=str(e.status)).inc()
-            headers = {"Retry-After": e.retry_after} if e.retry_after is not None else None
-            return web.Response(body=e.body, status=e.status, content_type="application/json", headers=headers)
-        except web.HTTPException as e:
-            if e.status < 400:
-                raise
-            self.metrics.requests.labels(status=str(e.status)).inc()
-            resp = H.error_response(e.status, e.reason or "error")
-            if e.status == 503:
-                resp.headers["Retry-After"] = str(NO_INSTANCE_RETRY_AFTER_S)
-            return resp
-
-    async def health(self, request: web.Request) -> web.Response:
-        if not self._ready():
-            return H.error_response(503, "no healthy prefill or decode instance")
-        return web.Response(text="ok")
-
-    async def models(self, request: web.Request) -> web.Response:
-        inst = self.pick(self.decodes, "decode")
-        assert self.session is not None
-        async with self.session.get(inst.url + "/v1/models") as r:
-            return web.Response(body=await r.read(), status=r.status, content_type="application/json")
-
-    async def metrics_endpoint(self, request: web.Request) -> web.Response:
-        self.metrics.update_instances(self.prefills + self.decodes)
-        return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
+        """The proxy's routes (app.py); `handle` serves the OpenAI endpoints."""
+        return build_app(self)
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         received = time.time()
-        body = parse_body(await request.read())
-        prompts = batch.batched_prompts(request.path, body)
+        req = ClientRequest.parse(request.path, await request.read())
+        prompts = req.batch()
         if prompts is not None:
-            return await batch.serve_batch(self, request, body, prompts)
+            return await batch.serve_batch(self, request, req, prompts)
         forced = self.forced_route(request)
-        leg = await self.open_leg(request.path, body, kp.new_transfer_id(), received, forced)
+        leg = await self.open_leg(req, kp.new_transfer_id(), received, forced)
         try:
-            return await self._relay(request, leg.response, leg.dispatch)
+            return await relay(self, request, leg.response, leg.dispatch)
         finally:
             self.end_leg(leg.dispatch)
 
@@ -182,7 +136,7 @@ class Proxy(InstancePool):
                                             f"only --kv-mode auto takes other routes")
         return route
 
-    async def open_leg(self, path: str, body: dict, transfer_id: str, received: float | None = None,
+    async def open_leg(self, req: ClientRequest, transfer_id: str, received: float | None = None,
                        forced: Route | None = None) -> Leg:
         """Dispatch one prompt's P and D legs; return once D answered 200 (its first token exists).
         A prefill leg that fails before that (P unreachable or answering 5xx) is retried on another
@@ -192,18 +146,18 @@ class Proxy(InstancePool):
         tried: set[str] = set()
         tried_d: set[str] = set()
         for attempt in itertools.count():
-            d = self._dispatch(body, f"{transfer_id}.{attempt}" if attempt else transfer_id, tried, tried_d, forced)
-            d.trace["proxy_received"] = received or time.time()
-            d.trace["dispatched"] = time.time()
+            d = self._dispatch(req, f"{transfer_id}.{attempt}" if attempt else transfer_id, tried, tried_d, forced)
+            d.trace.proxy_received = received or time.time()
+            d.trace.dispatched = time.time()
             if d.prefill is not None:
                 d.prefill.in_flight += 1
             d.decode.in_flight += 1
             try:
                 if d.prefill is None:
-                    return Leg(d, await self._local(path, body, d))
+                    return Leg(d, await self._local(req, d))
                 if d.mode.is_push:
-                    return Leg(d, await self._push(path, body, d))
-                return Leg(d, await self._pull(path, body, d))
+                    return Leg(d, await self._push(req, d))
+                return Leg(d, await self._pull(req, d))
             except PrefillFailed as e:
                 self.end_leg(d)
                 assert d.prefill is not None
@@ -232,11 +186,11 @@ class Proxy(InstancePool):
                 raise
         raise AssertionError("unreachable")
 
-    def _dispatch(self, body: dict, transfer_id: str, tried: set[str], tried_d: set[str],
+    def _dispatch(self, req: ClientRequest, transfer_id: str, tried: set[str], tried_d: set[str],
                   forced: Route | None) -> Dispatch:
         """Pick D, P and (auto) the route. An auto proxy with no usable P serves from D alone."""
         decode = self.pick(self.decodes, "decode", exclude=tried_d)
-        first = first_token_for(body, self.config.first_token)
+        first = req.first_token(self.config.first_token)
         if self.auto is None:
             return Dispatch(self.pick(self.prefills, "prefill", exclude=tried), decode, transfer_id, first,
                             self.config.kv_mode)
@@ -244,7 +198,7 @@ class Proxy(InstancePool):
         if forced is not None and forced.remote and not usable:
             raise web.HTTPServiceUnavailable(reason="no healthy prefill instance")
         prefill = self.pick(self.prefills, "prefill", exclude=tried) if usable else None
-        decision = self.auto.decide(body, prefill.url if prefill else None, decode.url, decode.in_flight,
+        decision = self.auto.decide(req, prefill.url if prefill else None, decode.url, decode.in_flight,
                                     decode.block_size, forced)
         log.debug("route %s for %s: %s", decision.route.value, transfer_id, decision.to_json())
         self.metrics.routes.labels(route=decision.route.value).inc()
@@ -281,29 +235,29 @@ class Proxy(InstancePool):
             # answer ended before P's HTTP answer came; D's first token means P's prefill was done)
 
     # ---- the two flows -------------------------------------------------------------------
-    async def _local(self, path: str, body: dict, d: Dispatch) -> aiohttp.ClientResponse:
+    async def _local(self, req: ClientRequest, d: Dispatch) -> aiohttp.ClientResponse:
         """Auto's local route: the request goes to D as it is; D prefills it (no P leg, no transfer)."""
         assert self.auto is not None and d.decision is not None
         auto, decision = self.auto, d.decision
         # D answers a non-streamed request when the whole answer exists: its prefill counts as done once
         # it should be (its estimate), not when the answer arrives
-        timer = None if body.get("stream") else asyncio.get_running_loop().call_later(
+        timer = None if req.stream else asyncio.get_running_loop().call_later(
             decision.estimates_s.get("local", 0.0), auto.prefilled, decision)
         try:
-            resp = await self._open_decode(path, body, None, d)
+            resp = await self._open_decode(req, None, d)
         finally:
             if timer is not None:
                 timer.cancel()
-        d.trace["local_prefilled"] = time.time()
+        d.trace.local_prefilled = time.time()
         auto.prefilled(decision)
         return resp
 
-    async def _push(self, path: str, body: dict, d: Dispatch) -> aiohttp.ClientResponse:
+    async def _push(self, req: ClientRequest, d: Dispatch) -> aiohttp.ClientResponse:
         assert d.prefill is not None
         p_params = kp.PrefillLegParams(transfer_id=d.transfer_id, mode=d.mode, decode_engine_id=d.decode.engine_id)
         d_params = self._decode_params(d, None)
-        p_task = asyncio.create_task(self._prefill_leg(path, body, p_params, d))
-        d_task = asyncio.create_task(self._open_decode(path, body, d_params, d))
+        p_task = asyncio.create_task(self._prefill_leg(req, p_params, d))
+        d_task = asyncio.create_task(self._open_decode(req, d_params, d))
         try:
             # D answers once its first token exists. A P leg failing before that cancels D (and may
             # be retried elsewhere); after it, P's answer only adds its timestamps to the trace.
@@ -316,16 +270,16 @@ class Proxy(InstancePool):
             await cancel(p_task, d_task)
             raise
         p_task.add_done_callback(retrieve)
-        d.p_task = p_task  # its answer only adds P's stamps to the trace (_relay waits a little for it)
+        d.p_task = p_task  # its answer only adds P's stamps to the trace (relay.py waits a little for it)
         return d_resp
 
-    async def _pull(self, path: str, body: dict, d: Dispatch) -> aiohttp.ClientResponse:
+    async def _pull(self, req: ClientRequest, d: Dispatch) -> aiohttp.ClientResponse:
         p_params = kp.PrefillLegParams(transfer_id=d.transfer_id, mode=KVMode.PULL)
-        result = await self._prefill_leg(path, body, p_params, d)
+        result = await self._prefill_leg(req, p_params, d)
         tried: set[str] = set()
         while True:
             try:
-                return await self._open_decode(path, body, self._decode_params(d, result), d)
+                return await self._open_decode(req, self._decode_params(d, result), d)
             except DecodeUnavailable as e:  # P holds the KV under its lease: another D can READ it
                 tried.add(d.decode.url)
                 self.metrics.rerouted.labels(role="decode", reason=e.reason).inc()
@@ -348,20 +302,20 @@ class Proxy(InstancePool):
         return kp.DecodeLegParams(transfer_id=d.transfer_id, mode=d.mode, prefill_engine_id=p.engine_id,
                                   prefill_kv_host=p.kv_host, prefill_kv_port=p.kv_port, first_token=first)
 
-    async def _prefill_leg(self, path: str, body: dict, params: kp.PrefillLegParams, d: Dispatch) -> kp.PrefillResult:
+    async def _prefill_leg(self, req: ClientRequest, params: kp.PrefillLegParams, d: Dispatch) -> kp.PrefillResult:
         try:
-            return await self._send_prefill(path, body, params, d)
+            return await self._send_prefill(req, params, d)
         finally:
             if d.decision is not None and self.auto is not None:
                 self.auto.prefilled(d.decision)  # answered, failed or cancelled: no longer queued on P
 
-    async def _send_prefill(self, path: str, body: dict, params: kp.PrefillLegParams,
+    async def _send_prefill(self, req: ClientRequest, params: kp.PrefillLegParams,
                             d: Dispatch) -> kp.PrefillResult:
         assert self.session is not None and d.prefill is not None
-        leg = prefill_body(body, kp.params_to_dict(params))
-        d.trace["p_leg_sent"] = time.time()
+        leg = req.leg(params)
+        d.trace.p_leg_sent = time.time()
         try:
-            async with self.session.post(d.prefill.url + path, json=leg) as r:
+            async with self.session.post(d.prefill.url + req.path, json=leg) as r:
                 data = await r.read()
                 error = LegError(r.status, data, d.prefill, r.headers.get("Retry-After"))
                 if r.status >= 500:
@@ -374,23 +328,23 @@ class Proxy(InstancePool):
             d.prefill.healthy = False  # the prober brings it back when it answers again
             message = f"prefill instance {d.prefill.url} unreachable: {e}"
             raise PrefillFailed(LegError(502, json.dumps(H.error_body(502, message)).encode())) from e
-        d.trace["p_response"] = time.time()
+        d.trace.p_response = time.time()
         try:
             choice = json.loads(data)["choices"][0]
-            d.trace.update(prefill_trace(choice.get("kvpush_trace")))
+            d.trace.update(Trace.from_json(choice.get("kvpush_trace")).as_prefill())
             kv = choice["kv_transfer_params"]
             return kp.params_from_dict(kv, kp.PrefillResult)
         except (KeyError, IndexError, TypeError, ValueError, kp.ProtocolError) as e:
             raise LegError(502, json.dumps(H.error_body(502, f"prefill answered without KV params: {e}")).encode()) from e
 
-    async def _open_decode(self, path: str, body: dict, params: kp.DecodeLegParams | None,
+    async def _open_decode(self, req: ClientRequest, params: kp.DecodeLegParams | None,
                            d: Dispatch) -> aiohttp.ClientResponse:
         """D's leg (params None: a plain request D computes itself); returns once D answered 200."""
         assert self.session is not None
-        leg = body if params is None else dict(body, kv_transfer_params=kp.params_to_dict(params))
-        d.trace["d_leg_sent"] = time.time()
+        leg = req.leg(params)
+        d.trace.d_leg_sent = time.time()
         try:
-            resp = await self.session.post(d.decode.url + path, json=leg)
+            resp = await self.session.post(d.decode.url + req.path, json=leg)
         except aiohttp.ClientError as e:
             d.decode.healthy = False
             message = f"decode instance {d.decode.url} unreachable: {e}"
@@ -413,48 +367,13 @@ class Proxy(InstancePool):
         trace = choice.get("kvpush_trace")
         if not isinstance(trace, dict):
             return
-        trace.update(d.trace)
+        trace.update(d.trace.stamps())
         if d.decision is None or self.auto is None:
             return
         choice["kvpush_route"] = d.decision.to_json()
-        ratio = self.auto.finished(d.decision, trace, choice.get("kvpush_prompt"))
+        ratio = self.auto.finished(d.decision, Trace.from_json(trace), choice.get("kvpush_prompt"))
         if ratio is not None:
             self.metrics.estimate_ratio.labels(route=d.decision.route.value).observe(ratio)
-
-    async def _relay(self, request: web.Request, d_resp: aiohttp.ClientResponse, d: Dispatch) -> web.StreamResponse:
-        """Copy D's answer to the client; merge the proxy's timestamps into kvpush_trace."""
-        complete = False
-        try:
-            if not d_resp.content_type.startswith("text/event-stream"):
-                data = await d_resp.read()
-                await wait_prefill(d.p_task)
-                data = merge_trace_json(data, lambda c: self.annotate(d, c))
-                complete = True
-                self.metrics.requests.labels(status="200").inc()
-                return web.Response(body=data, status=200, content_type="application/json")
-            out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-            await out.prepare(request)
-            try:
-                async for line in d_resp.content:
-                    if b'"kvpush_trace"' in line:
-                        await wait_prefill(d.p_task)
-                        line = merge_trace_line(line, lambda c: self.annotate(d, c))
-                    if line.startswith(b"data: {"):  # stamped before the write: after it the client may have it
-                        d.trace.setdefault("proxy_first_chunk", time.time())
-                    await out.write(line)
-                complete = True
-                await out.write_eof()
-            except ConnectionResetError:  # the client closed its end: once it had [DONE], that is no error
-                if not complete:
-                    log.info("client left during the stream of %s", d.transfer_id)
-                    return out
-            self.metrics.requests.labels(status="200").inc()
-            return out
-        finally:
-            if complete:
-                d_resp.release()
-            else:
-                d_resp.close()  # the client left or the stream broke: D sees the disconnect and aborts
 
 
 async def serve_proxy(config: ProxyConfig) -> None:

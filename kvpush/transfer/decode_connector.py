@@ -96,7 +96,7 @@ class DecodeConnector(RuntimeConnector):
         st.admitted = True
         request.num_cached_tokens = len(hits) * bs
         st.transfer_blocks = tuple(request.block_table[len(hits) : -(-st.need_len // bs)])
-        request.trace["d_admitted" if st.params.mode is KVMode.PULL else "d_registered"] = time.time()
+        request.trace.set("d_admitted" if st.params.mode is KVMode.PULL else "d_registered", time.time())
         if st.transfer_blocks:
             self._start_transfer(request, st, len(hits))
         else:
@@ -185,8 +185,9 @@ class DecodeConnector(RuntimeConnector):
             return
         request, st = found
         st.pending = False
-        request.trace.update(event.trace)
-        request.trace["d_ready"] = time.time()
+        for name, t in event.trace:
+            request.trace.set(name, t)
+        request.trace.d_ready = time.time()
         if self.config.faults.corrupt_kv:
             self.hooks.corrupt_block(st.transfer_blocks[0])
         request.num_computed_tokens = st.need_len
@@ -223,7 +224,7 @@ class DecodeConnector(RuntimeConnector):
         log.warning("transfer %s: KV from prefill %s did not arrive (%s); request %s is computed locally "
                     "(--on-kv-failure recompute)", st.params.transfer_id, st.params.prefill_engine_id, reason,
                     request.request_id)
-        request.trace["kv_fallback_local"] = time.time()  # stamped in the response: never a silent re-prefill
+        request.trace.kv_fallback_local = time.time()  # stamped in the response: never a silent re-prefill
         self.requests.pop(st.params.transfer_id, None)
         request.kv_state = None
         request.remote_prefill = False

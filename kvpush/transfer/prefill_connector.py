@@ -80,7 +80,7 @@ class PrefillConnector(RuntimeConnector):
 
     def admit(self, request: Request) -> Admission:
         delay = self.config.faults.delay_prefill_s
-        if delay <= 0 or time.time() >= request.trace.get("arrived", 0.0) + delay:
+        if delay <= 0 or time.time() >= (request.trace.arrived or 0.0) + delay:
             return Admission.RUN
         return Admission.WAIT
 
@@ -105,7 +105,7 @@ class PrefillConnector(RuntimeConnector):
             transfer_id=p.transfer_id, mode=p.mode, prefill_engine_id=self.engine_id, prefill_kv_host=self.host,
             prefill_kv_port=self.port, num_tokens=request.num_prompt_tokens,
             block_ids=list(blocks) if pull else [], lease_expiry=lease if pull else None, first_token_id=first)
-        request.trace["prefill_done"] = now
+        request.trace.prefill_done = now
         return True
 
     def result(self, request: Request) -> PrefillResult | None:

@@ -13,7 +13,7 @@ Signals (all free for the proxy; no extra round trip):
     p_prefix    the same for P (its prefix cache spares it those tokens)
     p_queue     prompt tokens P still has to prefill for legs dispatched before this one
     p_waiting   how many requests those are (the one P is prefilling included)
-    p_busy      the share of recent time the proxy had a leg at P without P's answer (kv_fit.BusyMeter)
+    p_busy      the share of recent time the proxy had a leg at P without P's answer (fit.BusyMeter)
     d_queue     prompt tokens D still has to prefill for local requests dispatched before this one
     d_running   requests decoding on D: in flight there, less those whose prefill is still pending
                 (queued or running on P, or queued on D): a local prefill stalls each of them (once, or once
@@ -21,7 +21,7 @@ Signals (all free for the proxy; no extra round trip):
                 Requests waiting for their KV are not stalled by it (they wait on P), and in a burst
                 at P they are many: counting them would keep D's prefill out exactly when it helps
 Learned fits, from every finished request's trace (decayed least squares):
-    prefill[route, P]   P's api_received -> prefill done: one fit over every remote route (kv_fit.RouteFit),
+    prefill[route, P]   P's api_received -> prefill done: one fit over every remote route (fit.RouteFit),
                         a + b own + g queue + c[route] + k[route] own + h[route] queue + e[P], own = the
                         tokens P computes for this request, queue = P's queue ahead of it (in QUEUE_UNITs):
                         a queued token has a slope of its own (~0.6 of an own token's: the head of the
@@ -39,7 +39,7 @@ Learned fits, from every finished request's trace (decayed least squares):
     rest[route, P, D]   TTFT - P's part                       vs tokens moved (prompt - D's prefix):
                         and the requests decoding on D: one fit over every remote route,
                         a + b x + g d_running + c[route] + k[route] x + h[route] d_running + e[P, D]
-                        (kv_fit.RouteFit), so that D's load moves every route's estimate at once, routes
+                        (fit.RouteFit), so that D's load moves every route's estimate at once, routes
                         and pairs differ by what was measured of them, and pull (whose D admits the
                         request and posts its READ between its decode steps) can grow faster with D's
                         load than push (prior: +2 ms per decoding request). Two such fits: one for fresh
@@ -79,14 +79,14 @@ Estimates and costs (seconds):
                one chunk, not the whole prefill) - unless
                P's queue alone would hold the request at least as long as D's local queue and its
                prefill would (a burst at P); nor when D's local budget is spent (--auto-local-share:
-               a token bucket per D of the prefill time local requests may take, kv_fit.LocalBudget,
+               a token bucket per D of the prefill time local requests may take, fit.LocalBudget,
                charged each local dispatch's estimate), which bounds what local prefills add to the
                TPOT of D's decoding requests
     residual   each route's estimate is the fits' queue ahead of it plus the fits' own part times
                exp(residual[residual_key]): the average of log(measured / fitted own part) over the
                recent answers of that size (uncached tokens to the nearest power of two; any pair) of
                every remote route together (local apart), fresh prompts and prompts D holds a prefix
-               of apart, the newest weighted residual_alpha (kv_fit.Residuals). The stall local
+               of apart, the newest weighted residual_alpha (fit.Residuals). The stall local
                charges and P's delay to others are not corrected
 The cheapest route wins (`cheapest`): local when no remote route costs less; else among the remote
 routes one other than the incumbent of the request's size class (incumbent_key: the remote route the
@@ -121,7 +121,7 @@ import math
 from kvpush.config import ProxyConfig
 from kvpush.proxy.auto.fit import Line, Residuals, RouteFit
 from kvpush.proxy.auto.prefix import CHARS_PER_UNIT, PromptKey
-from kvpush.proxy.auto.records import Decision, Outcome, Route
+from kvpush.proxy.auto.records import Decision, Outcome, Route, incumbent_key, residual_key
 
 EXPLORE_EVERY = 20  # while some route has fewer than WELL_MEASURED samples
 EXPLORE_EVERY_LATER = 100
@@ -175,7 +175,7 @@ class CostModel:
         self.rest, self.rest_hit = (RouteFit(remote, {Route.PUSH_LAYERWISE.value: 0.001, Route.PULL.value: 0.004},
                                              0.004, 1e-5, load_priors={Route.PULL.value: 0.002}) for _ in range(2))
         # P's prefill done -> its answer vs the tokens moved, one fit over the remote routes as for P's prefill
-        # (kv_records.outcome: it grows with push's WRITE, which P's core copies here). Priors: medians at 128
+        # (records.outcome: it grows with push's WRITE, which P's core copies here). Priors: medians at 128
         # and 1,024 tokens of the mixed cell's fixed-route runs, 24 a route, mixed_chunk19 to mixed_share19b,
         # read ad hoc: push 2.2 / 5.4 ms, push-layerwise 1.3 / 1.9, pull 1.4 / 1.6
         self.after = RouteFit(remote, AFTER_OFFSETS, *AFTER_PUSH, slope_priors=AFTER_SLOPES)
@@ -372,30 +372,3 @@ class CostModel:
             log_ratio = math.log(measured_own / own) + d.residuals.get(d.route.value, 0.0)
             self.residual.add(residual_key(d.route, d), log_ratio)
         return out.ttft_s / est
-
-
-def residual_key(route: Route, d: Decision) -> tuple[bool, int, bool]:
-    """Whose residual a request's estimate by `route` uses and teaches: remote routes together or local,
-    the request's size class, and whether D holds a prefix of it (session turns apart from fresh prompts,
-    as the rest fits). One residual for every remote route: per route, each followed only the route's
-    own recent answers, taken under whatever load that route last met, and opened gaps of 20-40%
-    between remote routes that the fixed modes never showed (replayed: regime_rows15's sessions cells)."""
-    return route.remote, size_class(d), d.d_prefix > 0
-
-
-def incumbent_key(d: Decision) -> tuple[int, bool]:
-    """Which incumbent a request's choice between remote routes keeps (`cheapest`): its size class, and
-    whether D holds a prefix of it. One for all sizes let the short prompts of a mixed service settle
-    the long ones' route: in mixed_chunk19b 106 of 160 1,024-token prompts went by push-layerwise, the
-    incumbent the 128-token ones had settled, where the fixed routes' runs had it 12% worse than pull
-    on TTFT p99 and 7% on p50 (24 runs a route, ad hoc) and the model's own costs ranked it last."""
-    return size_class(d), d.d_prefix > 0
-
-
-def size_class(d: Decision) -> int:
-    """The size class of a request for the residual corrections and the incumbents: the larger of its
-    uncached parts (on P or on D) in tokens, to the nearest power of two (128, 512 and 2,048 tokens are
-    two classes apart)."""
-    return round(math.log2(max(d.tokens - min(d.p_prefix, d.d_prefix), 1.0)))
-
-

@@ -1,4 +1,4 @@
-"""Online fits for --kv-mode auto's cost model (kv_choice.py): plain Python and numpy, no I/O.
+"""Online fits for --kv-mode auto's cost model (choice.py): plain Python and numpy, no I/O.
 
     Line        y = a + b x, decayed least squares (prefill time vs tokens, and the like)
     RouteFit    y = a + b x + g load + c[route] + k[route] xr + h[route] load + e[pair]: one decayed ridge
@@ -61,7 +61,7 @@ class RouteFit:
     is learned from all of them, and c, k, h are the differences between routes measured side by
     side. `routes[0]` is the baseline (c = k = h = 0): a route seldom taken keeps its prior difference
     from it instead of drifting with whichever route is taken most. The load column is the caller's:
-    requests decoding on D for the rest fits, P's queue ahead in kv_choice.QUEUE_UNITs for P's prefill
+    requests decoding on D for the rest fits, P's queue ahead in choice.QUEUE_UNITs for P's prefill
     fit (where x = xr = the tokens P computes for this request). xr (default x) is what the route's own
     effect grows with; h is how much more the route grows with the load (pull's D admits the request
     and posts its READ between two of its decode steps, push's D registered during the prefill: pull
@@ -179,7 +179,7 @@ class Residuals:
     route) and follow a new load slowly, so their estimates ran 8-20% off over whole cells of the
     regime map; the correction follows what the latest answers measured, and fades as the fits catch
     up. Auto keys it by remote (every remote route together) or local, size class and D prefix hit
-    (kv_choice.residual_key): keyed per route, a route's correction followed only its own answers,
+    (choice.residual_key): keyed per route, a route's correction followed only its own answers,
     taken under whatever load it last met, and opened gaps between remote routes that were not there."""
 
     LIMIT = math.log(2.0)

@@ -1,5 +1,5 @@
 """What each instance probably holds in its prefix cache, as --kv-mode auto's proxy sees it: plain
-Python, no I/O (kv_choice.py's d_prefix and p_prefix signals).
+Python, no I/O (choice.py's d_prefix and p_prefix signals).
 
 A prompt becomes a PromptKey: chained hashes of block-sized chunks of its token ids (exact), or of
 CHARS_PER_UNIT-character chunks of its text or chat messages (the token count then estimated by
@@ -11,9 +11,21 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Protocol
 
 CHARS_PER_UNIT = 64  # prefix tracking granularity of text prompts
 TRACKER_UNITS = 65536  # prefix chunks remembered per instance
+
+
+class PromptSource(Protocol):
+    """What a prompt key reads of a request (the proxy's ClientRequest): completions' prompt or chat's
+    messages, as the client sent them (the other one None)."""
+
+    @property
+    def prompt(self) -> object: ...
+
+    @property
+    def messages(self) -> object: ...
 
 
 @dataclass(frozen=True)
@@ -27,14 +39,14 @@ class PromptKey:
     exact_tokens: int | None
 
     @classmethod
-    def of(cls, body: dict, block_size: int) -> PromptKey:
-        prompt = body.get("prompt") if "messages" not in body else None
+    def of(cls, req: PromptSource, block_size: int) -> PromptKey:
+        prompt = req.prompt
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # one prompt in a list (several are split by the proxy before this)
         if isinstance(prompt, list) and prompt and set(map(type, prompt)) <= _INT_TYPES:  # (map: no Python loop)
             chunks = [tuple(prompt[i : i + block_size]) for i in range(0, len(prompt) - block_size + 1, block_size)]
             return cls(_chain(chunks), block_size, 0, len(prompt))
-        text = prompt if isinstance(prompt, str) else _messages_text(body.get("messages"))
+        text = prompt if isinstance(prompt, str) else _messages_text(req.messages)
         units = [text[i : i + CHARS_PER_UNIT] for i in range(0, len(text) - CHARS_PER_UNIT + 1, CHARS_PER_UNIT)]
         return cls(_chain(units), None, len(text), None)
 

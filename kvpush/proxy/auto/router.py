@@ -1,4 +1,4 @@
-"""The proxy's side of `--kv-mode auto` (kv_choice.py has the cost model): per instance, the prompts it
+"""The proxy's side of `--kv-mode auto` (choice.py has the cost model): per instance, the prompts it
 was sent (prefix trackers), the prompt tokens still queued for prefill there and the requests waiting
 for it; each request's Decision from those, and learning from its answer. No I/O; instances are named
 by URL.
@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from kvpush.protocol.trace import Trace
 from kvpush.proxy.auto.choice import (
     NEAR_TIE,
     RESIDUAL_ALPHA,
@@ -21,7 +22,7 @@ from kvpush.proxy.auto.choice import (
     CostModel,
 )
 from kvpush.proxy.auto.fit import BusyMeter, LocalBudget
-from kvpush.proxy.auto.prefix import PrefixTracker, PromptKey
+from kvpush.proxy.auto.prefix import PrefixTracker, PromptKey, PromptSource
 from kvpush.proxy.auto.records import Decision, Route, outcome
 
 
@@ -50,11 +51,11 @@ class AutoRouter:
         """The instance restarted: its prefix cache is empty."""
         self.trackers.pop(url, None)
 
-    def decide(self, body: dict, p_url: str | None, d_url: str, d_in_flight: int, block_size: int,
+    def decide(self, req: PromptSource, p_url: str | None, d_url: str, d_in_flight: int, block_size: int,
                forced: Route | None = None) -> Decision:
         """The route for this request on this (P, D) pair; no P (none usable): local. d_in_flight: the
         proxy's requests on D (this one not included)."""
-        key = PromptKey.of(body, block_size)
+        key = PromptKey.of(req, block_size)
         m = self.model
         p_prefix = m.prefix_tokens(key, self.tracker(p_url).matched(key)) if p_url else 0.0
         decoding = max(d_in_flight - self.pending.get(d_url, 0), 0)
@@ -111,9 +112,9 @@ class AutoRouter:
         if d.key is not None:
             self.tracker(d_url).record(d.key)
 
-    def finished(self, d: Decision, trace: dict | None, prompt: dict | None) -> float | None:
+    def finished(self, d: Decision, trace: Trace, prompt: dict | None) -> float | None:
         """Learn from the answer; measured / estimated TTFT, or None. An answer D recomputed after a
         failed transfer (kv_fallback_local) teaches nothing about its route."""
-        if isinstance(trace, dict) and "kv_fallback_local" in trace:
+        if trace.kv_fallback_local is not None:
             return None
         return self.model.observe(d, outcome(trace, prompt))
