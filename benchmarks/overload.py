@@ -31,7 +31,7 @@ from kvpush.bench.demo import ensure_model
 from kvpush.bench.loadgen import LoadConfig, fetch_model, run_load
 from kvpush.bench.metrics import meets_slo, summarize, tpot_s
 from kvpush.bench.soak import process_figures
-from kvpush.bench.suite import Fleet, SuiteConfig
+from kvpush.bench.suite import AVOID_IDS, Fleet, SuiteConfig
 from kvpush.config import default_model_dir
 
 SERVE_ARGS = "--torch-threads 1 --max-num-seqs 8 --max-num-batched-tokens 256 --max-waiting 4 --max-waiting-tokens 1024"
@@ -64,7 +64,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def samples(args: argparse.Namespace, n: int, seed: int):
-    return random_samples(n, args.input_len, args.output_len, vocab_size=args.vocab_size, avoid_ids=(0, 1, 2),
+    return random_samples(n, args.input_len, args.output_len, vocab_size=args.vocab_size, avoid_ids=AVOID_IDS,
                           seed=seed)
 
 

@@ -22,7 +22,7 @@ import msgspec
 from kvpush.bench.datasets import random_samples
 from kvpush.bench.demo import ensure_model
 from kvpush.bench.interleave import paired_report, run_interleaved
-from kvpush.bench.suite import MODES, SPECIAL_IDS, Fleet, SuiteConfig
+from kvpush.bench.suite import AVOID_IDS, MODES, Fleet, SuiteConfig
 from kvpush.bench.trace import analyze, format_critical_path
 from kvpush.config import default_model_dir
 
@@ -40,7 +40,7 @@ def main() -> None:
     ap.add_argument("--out", default="kvpush-results/single_ttft.json")
     args = ap.parse_args()
     model = args.model or ensure_model(default_model_dir(), "bench")
-    avoid = [int(t) for t in SPECIAL_IDS.split(",")]
+    avoid = list(AVOID_IDS)
     samples = random_samples(args.num_prompts + 2, args.input_len, args.output_len, vocab_size=args.vocab_size,
                              avoid_ids=avoid, seed=args.seed)
     cfg = SuiteConfig(model=model, modes=tuple(args.modes), serve_args=["--torch-threads", "1"], pin=args.pin)

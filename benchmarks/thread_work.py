@@ -25,8 +25,8 @@ import aiohttp
 from kvpush.bench.datasets import random_samples
 from kvpush.bench.demo import ensure_model
 from kvpush.bench.stale import metric
-from kvpush.bench.stats import bootstrap_ci
-from kvpush.bench.suite import SPECIAL_IDS
+from kvpush.bench.stats import bootstrap_ci, fmt_ci
+from kvpush.bench.suite import AVOID_IDS
 from kvpush.config import default_model_dir
 from kvpush.launcher.launch import free_port
 from kvpush.launcher.up import Deployment
@@ -50,7 +50,7 @@ async def stream(s: aiohttp.ClientSession, url: str, prompt: list[int], max_toke
 async def batch(s: aiohttp.ClientSession, dep: Deployment, prompts: list[list[int]], rate: float,
                 max_tokens: int, seed: int) -> dict[str, dict[str, float]]:
     """Per instance role: rounds and CPU ms per request over one batch."""
-    roles = {i.argv[i.argv.index("--role") + 1]: i.url for i in dep.instances}
+    roles = {role: dep.of_role(role)[0].url for role in ("prefill", "decode")}
     before = {role: counters(url) for role, url in roles.items()}
     rng, tasks = random.Random(seed), []
     for p in prompts:
@@ -66,7 +66,7 @@ async def batch(s: aiohttp.ClientSession, dep: Deployment, prompts: list[list[in
 
 
 async def run(deps: dict[str, Deployment], args: argparse.Namespace) -> dict[str, list[dict]]:
-    avoid = [int(t) for t in SPECIAL_IDS.split(",")]
+    avoid = list(AVOID_IDS)
     out: dict[str, list[dict]] = {m: [] for m in MODES}
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
                                      timeout=aiohttp.ClientTimeout(total=1800)) as s:
@@ -89,10 +89,7 @@ def summary(out: dict[str, list[dict]]) -> str:
              "|---|---|---|---|"]
     for mode, rows in out.items():
         for role in ("prefill", "decode"):
-            cells = []
-            for key in ("rounds", "cpu_ms"):
-                med, lo, hi = bootstrap_ci([r[role][key] for r in rows])
-                cells.append(f"{med:.2f} [{lo:.2f}, {hi:.2f}]")
+            cells = [fmt_ci(*bootstrap_ci([r[role][key] for r in rows]), digits=2) for key in ("rounds", "cpu_ms")]
             lines.append(f"| {mode} | {role} | {cells[0]} | {cells[1]} |")
     return "\n".join(lines)
 

@@ -101,13 +101,12 @@ def decode_kv_counters(dep: Deployment) -> str:
     """D's completed KV transfers and local fallbacks (kvpush's /metrics): shows the KV really moved."""
     wanted = ("kvpush_kv_transfers_completed_total", "kvpush_kv_local_fallbacks_total")
     found = {}
-    for inst in dep.instances:
-        if "--role" in inst.argv and inst.argv[inst.argv.index("--role") + 1] == "decode":
-            with urllib.request.urlopen(inst.url + "/metrics", timeout=30) as r:
-                for line in r.read().decode().splitlines():
-                    name, _, value = line.partition(" ")
-                    if name in wanted:
-                        found[name] = found.get(name, 0.0) + float(value)
+    for inst in dep.of_role("decode"):
+        with urllib.request.urlopen(inst.url + "/metrics", timeout=30) as r:
+            for line in r.read().decode().splitlines():
+                name, _, value = line.partition(" ")
+                if name in wanted:
+                    found[name] = found.get(name, 0.0) + float(value)
     return ", ".join(f"{name.removeprefix('kvpush_kv_').removesuffix('_total')} {found.get(name, 0):g}"
                      for name in wanted)
 
@@ -209,7 +208,7 @@ def cpu_seconds(deps: dict[str, Deployment]) -> dict[str, float]:
     """CPU seconds so far of each front door and instance (with its children), by name."""
     out = {}
     for front, dep in deps.items():
-        for name, proc in (("front", dep.proxy), *((i.argv[i.argv.index("--role") + 1], i) for i in dep.instances)):
+        for name, proc in (("front", dep.proxy), *zip(dep.roles, dep.instances, strict=True)):
             if proc.proc is not None:
                 out[f"{front}/{name}"] = process_tree_cpu(proc.proc.pid)
     return out

@@ -24,8 +24,8 @@ import aiohttp
 
 from kvpush.bench.datasets import random_samples
 from kvpush.bench.demo import ensure_model
-from kvpush.bench.stats import bootstrap_ci, verdict
-from kvpush.bench.suite import SPECIAL_IDS
+from kvpush.bench.stats import bootstrap_ci, fmt_ci, verdict
+from kvpush.bench.suite import AVOID_IDS
 from kvpush.config import default_model_dir
 from kvpush.launcher.launch import free_port
 from kvpush.launcher.up import Deployment
@@ -83,7 +83,7 @@ async def phase(s: aiohttp.ClientSession, proxy: str, d_url: str, probe_prompt: 
 
 
 async def run(proxy: str, d_url: str, args: argparse.Namespace) -> dict[str, list[dict]]:
-    avoid = [int(t) for t in SPECIAL_IDS.split(",")]
+    avoid = list(AVOID_IDS)
     n = 1 + args.repeats * (2 + args.waiting)
     prompts = [list(x.prompt) for x in random_samples(n, args.input_len, 1, vocab_size=8192, avoid_ids=avoid,
                                                       seed=args.seed)]
@@ -108,12 +108,11 @@ def summary(out: dict[str, list[dict]]) -> str:
     lines = []
     for name, rows in out.items():
         for key, unit in (("tpot_ms", "ms"), ("thread_cpu_pct", "% core")):
-            med, lo, hi = bootstrap_ci([r[key] for r in rows])
-            lines.append(f"{name:8s} {key:15s} {med:8.2f} [{lo:.2f}, {hi:.2f}] {unit}")
+            lines.append(f"{name:8s} {key:15s} {fmt_ci(*bootstrap_ci([r[key] for r in rows]), digits=2)} {unit}")
     q, w = [r["tpot_ms"] for r in out["quiet"]], [r["tpot_ms"] for r in out["waiting"]]
     ratios = [b / a for a, b in zip(q, w, strict=True)]
     med, lo, hi = bootstrap_ci(ratios)
-    lines.append(f"TPOT waiting/quiet {med:.3f} [{lo:.3f}, {hi:.3f}]: {verdict(lo, hi, 'waiting', 'quiet')}")
+    lines.append(f"TPOT waiting/quiet {fmt_ci(med, lo, hi)}: {verdict(lo, hi, 'waiting', 'quiet')}")
     return "\n".join(lines)
 
 
@@ -138,8 +137,7 @@ def main() -> None:
                      pin=not args.no_pin)
     dep.start()
     try:
-        d = next(i for i in dep.instances if i.argv[i.argv.index("--role") + 1] == "decode")
-        out = asyncio.run(run(dep.url, d.url, args))
+        out = asyncio.run(run(dep.url, dep.of_role("decode")[0].url, args))
     finally:
         dep.stop()
     print(summary(out))

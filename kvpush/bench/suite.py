@@ -33,7 +33,8 @@ if TYPE_CHECKING:
     from kvpush.launcher.netlink import RateLimitedLink
 
 MODES = ("colocated", "pull", "push")
-SPECIAL_IDS = "0,1,2"
+AVOID_IDS = (0, 1, 2)  # the tokenizer's special tokens: never drawn into a random prompt
+SPECIAL_IDS = ",".join(map(str, AVOID_IDS))  # the same, as `kvpush bench --avoid-token-ids` takes it
 
 
 @dataclass
@@ -141,8 +142,7 @@ class Fleet:
     def instances(self) -> dict[str, ServerProcess]:
         out = {"colocated": self.colocated} if self.colocated is not None else {}
         for mode, dep in self.deployments.items():
-            for inst in dep.instances:
-                role = inst.argv[inst.argv.index("--role") + 1]
+            for inst, role in zip(dep.instances, dep.roles, strict=True):
                 out[f"{mode}-{role}"] = inst
         return out
 

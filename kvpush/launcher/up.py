@@ -35,6 +35,7 @@ class Deployment:
         self.log_dir = log_dir or tempfile.mkdtemp(prefix="kvpush-up-")
         os.makedirs(self.log_dir, exist_ok=True)
         self.instances: list[ServerProcess] = []
+        self.roles: list[str] = []  # each instance's role, in the order of `instances`
         self.placement: list[str] = []
         halves = dict(zip(("prefill", "decode"), split_halves(available_cpus()), strict=True)) if pin else {}
         urls: dict[str, list[str]] = {"prefill": [], "decode": []}
@@ -54,6 +55,7 @@ class Deployment:
                                            prefix=link.wrap(ns, []),
                                            env={"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": link.device(ns)})
                 self.instances.append(server)
+                self.roles.append(role)
                 urls[role].append(server.url)
         proxy_argv = ["proxy", "--port", str(port), "--kv-mode", kv_mode, "--prefill", *urls["prefill"],
                       "--decode", *urls["decode"], *proxy_args]
@@ -73,6 +75,10 @@ class Deployment:
     @property
     def url(self) -> str:
         return self.proxy.url
+
+    def of_role(self, role: str) -> list[ServerProcess]:
+        """The instances of one role (prefill or decode), in the order they were made."""
+        return [s for s, r in zip(self.instances, self.roles, strict=True) if r == role]
 
     def start(self, timeout_s: float = 300.0) -> Deployment:
         try:
