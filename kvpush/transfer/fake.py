@@ -61,7 +61,14 @@ from kvpush.config import Role
 from kvpush.errors import HandshakeError, TransferError
 from kvpush.transfer.descriptors import BlockIds, KVGeometry, XferPlan
 from kvpush.transfer.handshake import HandshakeInfo
-from kvpush.transfer.kv_agent import AgentCore, PeerDisconnectedError, PeerEntry, Transfer, XferStatus
+from kvpush.transfer.kv_agent import (
+    AgentCore,
+    KVBuffer,
+    PeerDisconnectedError,
+    PeerEntry,
+    Transfer,
+    XferStatus,
+)
 
 _METADATA_KEY = "kvpush-fake-agent"
 
@@ -113,7 +120,8 @@ class FakeAgent(AgentCore):
         self.dropped_notifs = 0
         self.notif_polls = 0  # get_notifs calls: how busily the owner polls
         self.rng = random.Random(f"{fabric.seed}:{name}")
-        self._kv: torch.Tensor | None = None
+        self._kv: torch.Tensor | None = None  # the block-major buffer, when one was registered
+        self._tensors: list[torch.Tensor] = []  # what was registered: that buffer, or one tensor per layer
         self._inbox: list[tuple[str, bytes]] = []
         self._posted: set[Transfer] = set()
         with fabric.lock:
@@ -127,13 +135,14 @@ class FakeAgent(AgentCore):
     def kv(self) -> torch.Tensor | None:
         return self._kv
 
-    def register_kv(self, kv: torch.Tensor | int, geometry: KVGeometry | None = None) -> KVGeometry:
+    def register_kv(self, kv: KVBuffer, geometry: KVGeometry | None = None) -> KVGeometry:
         with self._lock:
-            derived, tensor = self._buffer(kv, geometry)
-            if tensor is None:
-                raise ValueError("the fake agent copies bytes between tensors: register the KV tensor, "
+            derived, tensors = self._buffer(kv, geometry)
+            if not tensors:
+                raise ValueError("the fake agent copies bytes between tensors: register the KV tensor(s), "
                                  "not a raw address")
-            self._geometry, self._kv = derived, tensor
+            self._geometry, self._tensors = derived, tensors
+            self._kv = kv if isinstance(kv, torch.Tensor) else None
             return derived
 
     def metadata(self) -> bytes:
@@ -179,7 +188,8 @@ class FakeAgent(AgentCore):
             engine_id=engine_id or self.name, role=role, agent_name=self.name, agent_metadata=self.metadata(),
             base_address=g.base_addr, num_blocks=g.num_blocks, num_layers=g.num_layers,
             block_bytes=g.block_bytes, layer_bytes=g.layer_bytes, memory_type=g.memory_type,
-            device_id=g.device_id, compat_hash=compat_hash, compat_summary=compat_summary)
+            device_id=g.device_id, compat_hash=compat_hash, compat_summary=compat_summary,
+            layer_bases=list(g.layer_bases), block_stride=g.block_stride)
 
     def disconnect(self, peer: str, reason: str = "injected disconnect") -> None:
         """Fault injection: nixl reported ``peer`` gone (see the module docstring)."""
@@ -276,30 +286,54 @@ class FakeAgent(AgentCore):
             self._finish(transfer, XferStatus.FAILED, f"{transfer.op} towards peer {handle.peer!r}: "
                                                          f"injected completion failure")
             return
-        if p is None or p.disconnected is not None or target is None or target._closed or target._kv is None:
+        if p is None or p.disconnected is not None or target is None or target._closed or not target._tensors:
             why = p.disconnected if p is not None and p.disconnected else "peer gone"
             if p is not None and p.disconnected is None:
                 p.disconnected = why
             self._finish(transfer, XferStatus.FAILED, f"{transfer.op} towards peer {handle.peer!r}: {why}")
             return
-        assert self._kv is not None
         plan = handle.plan
-        mine, theirs = self._units(self._kv, plan.per_layer), self._units(target._kv, plan.per_layer)
-        local = torch.from_numpy(plan.local_idx.astype(np.int64))
-        remote = torch.from_numpy(plan.remote_idx.astype(np.int64))
-        if plan.op == "WRITE":
-            theirs[remote.to(theirs.device)] = mine[local.to(mine.device)].to(theirs.device)
-        else:
-            mine[local.to(mine.device)] = theirs[remote.to(theirs.device)].to(mine.device)
+        if plan.per_layer:
+            self._copy_slices(target, plan)
+        else:  # whole blocks: both sides block-major
+            assert self._kv is not None and target._kv is not None
+            self._copy(plan.op, self._units(self._kv), self._units(target._kv), plan.local_idx, plan.remote_idx)
         self._finish(transfer, XferStatus.DONE, None)
         if transfer.notif:
             self._deliver(p, transfer.notif)
 
+    def _copy_slices(self, target: FakeAgent, plan: XferPlan) -> None:
+        """Copy (block, layer) slices between two layouts, one layer at a time."""
+        assert self._geometry is not None and target._geometry is not None
+        local_blocks, layers = self._geometry.slice_of(plan.local_idx)
+        remote_blocks, _ = target._geometry.slice_of(plan.remote_idx)
+        mine, theirs = self._layer_rows(), target._layer_rows()
+        for layer in np.unique(layers).tolist():
+            sel = layers == layer
+            self._copy(plan.op, mine[layer], theirs[layer], local_blocks[sel], remote_blocks[sel])
+
+    def _layer_rows(self) -> list[torch.Tensor]:
+        """Per layer, its slices as bytes: [num_blocks, layer_bytes] (views into the registered memory)."""
+        g = self._geometry
+        assert g is not None
+        if self._kv is not None:
+            rows = self._kv.view(-1).view(torch.uint8).view(g.num_blocks, g.num_layers, g.layer_bytes)
+            return [rows[:, layer] for layer in range(g.num_layers)]
+        return [t.view(-1).view(torch.uint8).view(g.num_blocks, g.layer_bytes) for t in self._tensors]
+
     @staticmethod
-    def _units(kv: torch.Tensor, per_layer: bool) -> torch.Tensor:
-        """The buffer as bytes, one row per block (or per block and layer)."""
-        rows = kv.shape[0] * kv.shape[1] if per_layer else kv.shape[0]
-        return kv.view(-1).view(torch.uint8).view(rows, -1)
+    def _copy(op: str, mine: torch.Tensor, theirs: torch.Tensor, local: np.ndarray, remote: np.ndarray) -> None:
+        lidx = torch.from_numpy(local.astype(np.int64)).to(mine.device)
+        ridx = torch.from_numpy(remote.astype(np.int64)).to(theirs.device)
+        if op == "WRITE":
+            theirs[ridx] = mine[lidx].to(theirs.device)
+        else:
+            mine[lidx] = theirs[ridx].to(mine.device)
+
+    @staticmethod
+    def _units(kv: torch.Tensor) -> torch.Tensor:
+        """A block-major buffer as bytes, one row per block."""
+        return kv.view(-1).view(torch.uint8).view(kv.shape[0], -1)
 
     # ------------------------------------------------------------------ notifications
 
@@ -335,6 +369,7 @@ class FakeAgent(AgentCore):
             transfer.handle = None
         self._posted.clear()
         self._kv = None
+        self._tensors = []
         self._inbox = []
         if self.fabric.agents.get(self.name) is self:
             del self.fabric.agents[self.name]

@@ -31,6 +31,7 @@ import msgspec
 
 from kvpush.config import KVMode, Role
 from kvpush.errors import HandshakeError
+from kvpush.transfer.descriptors import KVGeometry
 from kvpush.transfer.protocol import PROTOCOL_VERSION
 
 MAX_HANDSHAKE_BYTES = 4 * 1024 * 1024
@@ -42,8 +43,10 @@ _COMPAT_DOMAIN = b"kvpush-compat\x00"
 class HandshakeInfo(msgspec.Struct, frozen=True, kw_only=True):
     """What one instance tells its peer about itself.
 
-    The KV buffer is block-major (docs/design.md section 2): block ``b`` starts at
-    ``base_address + b * block_bytes``, its layer ``l`` at ``... + l * layer_bytes``.
+    The KV layout (transfer/descriptors.py): kvpush's is block-major (docs/design.md section 2), block
+    ``b`` at ``base_address + b * block_bytes``, its layer ``l`` at ``... + l * layer_bytes``, and
+    ``layer_bases`` is empty; a layer-major one (one tensor per layer) gives each layer's address of
+    block 0 in ``layer_bases`` and the bytes between blocks in ``block_stride``.
     """
 
     engine_id: str
@@ -61,6 +64,8 @@ class HandshakeInfo(msgspec.Struct, frozen=True, kw_only=True):
     compat_hash: str
     compat_summary: str = ""  # human-readable compat fields, for error messages only
     doorbell: str = ""  # "host:port" (UDP) the peer rings after sending us anything; "" = poll (doorbell.py)
+    layer_bases: list[int] = []  # layer-major layouts: layer l's block 0; [] = block-major
+    block_stride: int = 0  # layer-major layouts: bytes from a block to the next in a layer; 0 = block_bytes
 
 
 class _Envelope(msgspec.Struct, array_like=True):
@@ -175,4 +180,8 @@ def _check_info(info: HandshakeInfo, envelope_version: int) -> None:
         raise bad("num_blocks, num_layers and layer_bytes must be positive")
     if info.block_bytes != info.num_layers * info.layer_bytes:
         raise bad(f"block_bytes {info.block_bytes} != num_layers {info.num_layers} * "
-                  f"layer_bytes {info.layer_bytes} (the KV buffer is block-major)")
+                  f"layer_bytes {info.layer_bytes} (the bytes of one block over all layers)")
+    try:
+        KVGeometry.from_info(info)
+    except ValueError as exc:
+        raise bad(f"KV layout: {exc}") from None

@@ -33,6 +33,9 @@ import torch
 from kvpush.errors import HandshakeError, TransferError
 from kvpush.transfer.descriptors import MEMORY_TYPES, BlockIds, KVGeometry, XferPlan, block_indices
 
+# What register_kv takes: kvpush's block-major tensor, one tensor per layer, or a raw address (with a geometry).
+KVBuffer = torch.Tensor | Sequence[torch.Tensor] | int
+
 
 class PeerDisconnectedError(TransferError):
     """The peer went away (nixl's ``nixlRemoteDisconnectError``): fail its transfers, remove it."""
@@ -98,7 +101,7 @@ class KVAgent(Protocol):
 
     @property
     def geometry(self) -> KVGeometry | None: ...
-    def register_kv(self, kv: torch.Tensor | int, geometry: KVGeometry | None = None) -> KVGeometry: ...
+    def register_kv(self, kv: KVBuffer, geometry: KVGeometry | None = None) -> KVGeometry: ...
     def metadata(self) -> bytes: ...
     def add_peer(self, peer_metadata: bytes, peer_geometry: KVGeometry) -> str: ...
     def peers(self) -> list[str]: ...
@@ -257,28 +260,29 @@ class AgentCore(ABC):
                 time.sleep(5e-5)
 
     # ---- helpers for subclasses (lock held) ------------------------------------------------
-    def _buffer(self, kv: torch.Tensor | int, geometry: KVGeometry | None) -> tuple[KVGeometry, torch.Tensor | None]:
-        """The geometry of a buffer to register (a tensor, or a raw address with its geometry)."""
+    def _buffer(self, kv: KVBuffer, geometry: KVGeometry | None) -> tuple[KVGeometry, list[torch.Tensor]]:
+        """The geometry of a buffer to register (a block-major tensor, one tensor per layer, or a raw
+        address with its geometry) and the tensors to keep alive while it is registered."""
         self._check_open("register_kv")
         if self._geometry is not None:
             raise TransferError(f"agent {self.name!r} already registered its KV buffer")
-        tensor = kv if isinstance(kv, torch.Tensor) else None
-        if tensor is not None:
-            derived = KVGeometry.from_tensor(tensor)
+        tensors = [kv] if isinstance(kv, torch.Tensor) else [] if isinstance(kv, int) else list(kv)
+        if tensors:
+            derived = KVGeometry.from_tensor(tensors[0]) if isinstance(kv, torch.Tensor) else KVGeometry.from_layers(tensors)
             if geometry is not None and geometry != derived:
                 raise ValueError(f"geometry {geometry} does not describe the tensor ({derived})")
             geometry = derived
         elif geometry is None:
             raise ValueError("registering a raw address needs its KVGeometry")
-        elif int(kv) != geometry.base_addr:
-            raise ValueError(f"address {int(kv):#x} != geometry.base_addr {geometry.base_addr:#x}")
+        elif isinstance(kv, int) and kv != geometry.base_addr:
+            raise ValueError(f"address {kv:#x} != geometry.base_addr {geometry.base_addr:#x}")
         if geometry.memory_type != self.memory_type:
             raise ValueError(f"agent {self.name!r} handles {self.memory_type}, the buffer is "
                              f"{geometry.memory_type}")
         if geometry.memory_type == "VRAM" and geometry.device_id != self.device_id:
             raise ValueError(f"agent {self.name!r} handles GPU {self.device_id}, the buffer is "
                              f"on GPU {geometry.device_id}")
-        return geometry, tensor
+        return geometry, tensors
 
     def _registered(self, op: str) -> KVGeometry:
         self._check_open(op)
@@ -301,20 +305,27 @@ class AgentCore(ABC):
 
     def plan(self, op: str, peer: str, local_ids: BlockIds, remote_ids: BlockIds,
              layers: Sequence[int] | None) -> tuple[Any, XferPlan]:
-        """Check a post (open, registered, known and connected peer, ids in range) and index it."""
+        """Check a post (open, registered, known and connected peer, ids in range) and index it: whole
+        blocks where both sides are block-major and every layer moves (the fast path), else slices."""
         local_geometry = self._registered(op)
         p = self._peer(peer, op)
         local = block_indices(local_ids, local_geometry.num_blocks, "local_block_ids")
         remote = block_indices(remote_ids, p.geometry.num_blocks, "remote_block_ids")
         if local.size != remote.size:
             raise ValueError(f"{op}: {local.size} local block ids but {remote.size} remote ones")
-        if layers is None:
+        if layers is None and local_geometry.block_major and p.geometry.block_major:
             return p, XferPlan(op, local, remote, False, int(local.size) * local_geometry.block_bytes)
         num_layers = local_geometry.num_layers
-        lay = np.unique(block_indices(layers, num_layers, "layers"))  # sorted: consecutive layers merge
-        # block-major order: b0l0, b0l1, ..., b1l0: all layers of a run of blocks merge
-        local_idx = (local[:, None] * num_layers + lay[None, :]).ravel()
-        remote_idx = (remote[:, None] * num_layers + lay[None, :]).ravel()
+        lay = (np.arange(num_layers, dtype=np.int64) if layers is None
+               else np.unique(block_indices(layers, num_layers, "layers")))  # sorted: consecutive layers merge
+        if local_geometry.block_major:  # b0l0, b0l1, ..., b1l0: all layers of a run of blocks merge
+            blocks, slices = np.repeat(local, lay.size), np.tile(lay, local.size)
+            peer_blocks = np.repeat(remote, lay.size)
+        else:  # l0b0, l0b1, ..., l1b0: a run of blocks merges within each layer
+            blocks, slices = np.tile(local, lay.size), np.repeat(lay, local.size)
+            peer_blocks = np.tile(remote, lay.size)
+        local_idx = local_geometry.slice_index(blocks, slices)
+        remote_idx = p.geometry.slice_index(peer_blocks, slices)
         return p, XferPlan(op, local_idx, remote_idx, True, int(local_idx.size) * local_geometry.layer_bytes)
 
     def _new_transfer(self, peer: str, plan: XferPlan, notif: bytes, now: float, handle: Any = None) -> Transfer:

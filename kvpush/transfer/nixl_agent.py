@@ -80,7 +80,14 @@ import torch
 from kvpush.config import apply_ucx_environment
 from kvpush.errors import TransferError
 from kvpush.transfer.descriptors import KVGeometry, XferPlan
-from kvpush.transfer.kv_agent import AgentCore, PeerDisconnectedError, PeerEntry, Transfer, XferStatus
+from kvpush.transfer.kv_agent import (
+    AgentCore,
+    KVBuffer,
+    PeerDisconnectedError,
+    PeerEntry,
+    Transfer,
+    XferStatus,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +96,7 @@ _LOCAL = "NIXL_INIT_AGENT"  # nixl's name for the local side of a prepared list
 
 @dataclass(eq=False)
 class _NixlPeer(PeerEntry):
-    blocks: Any = None  # prepared remote list, one descriptor per block
+    blocks: Any = None  # prepared remote list, one descriptor per block (None: blocks not contiguous)
     slices: Any = None  # prepared remote list, one descriptor per (block, layer)
     transfers: set[Transfer] = field(default_factory=set)
 
@@ -104,17 +111,22 @@ def _load_nixl() -> tuple[Any, Any]:
     return api, bindings
 
 
-def _dlist(geometry: KVGeometry, per_layer: bool) -> np.ndarray:
-    """Nx3 uint64 (address, length, device id): one row per block, or per (block, layer)."""
-    if per_layer:
-        count, step = geometry.num_blocks * geometry.num_layers, geometry.layer_bytes
-    else:
-        count, step = geometry.num_blocks, geometry.block_bytes
-    rows = np.empty((count, 3), dtype=np.uint64)
-    rows[:, 0] = np.uint64(geometry.base_addr) + np.arange(count, dtype=np.uint64) * np.uint64(step)
-    rows[:, 1] = step
+def _dlist(geometry: KVGeometry, per_layer: bool) -> np.ndarray | None:
+    """Nx3 uint64 (address, length, device id): one row per slice (block, layer) in the layout's index
+    order, or one per block; None for blocks of a layout whose blocks are not contiguous."""
+    rows2 = geometry.slice_rows() if per_layer else geometry.block_rows()
+    if rows2 is None:
+        return None
+    rows = np.empty((rows2.shape[0], 3), dtype=np.uint64)
+    rows[:, :2] = rows2
     rows[:, 2] = geometry.device_id
     return rows
+
+
+def _prep(agent: Any, name: str, geometry: KVGeometry, per_layer: bool) -> Any:
+    """A prepared descriptor list (None where the layout has no whole-block list)."""
+    rows = _dlist(geometry, per_layer)
+    return None if rows is None else agent.prep_xfer_dlist(name, rows, geometry.memory_type)
 
 
 class NixlTransferAgent(AgentCore):
@@ -128,7 +140,7 @@ class NixlTransferAgent(AgentCore):
     def __init__(self, name: str, memory_type: str = "DRAM", device_id: int = 0, *,
                  capture_telemetry: bool = False) -> None:
         super().__init__(name, memory_type, device_id, threading.RLock())
-        self._kv: torch.Tensor | None = None  # keeps a registered tensor's storage alive
+        self._kv: list[torch.Tensor] = []  # keeps the registered tensors' storage alive
         self._reg: Any = None
         self._local_blocks: Any = None
         self._local_slices: Any = None
@@ -150,32 +162,32 @@ class NixlTransferAgent(AgentCore):
 
     # ------------------------------------------------------------------ registration, peers
 
-    def register_kv(self, kv: torch.Tensor | int, geometry: KVGeometry | None = None) -> KVGeometry:
+    def register_kv(self, kv: KVBuffer, geometry: KVGeometry | None = None) -> KVGeometry:
         """Register the KV buffer once and prepare the local descriptor lists.
 
         ``kv`` is the tensor ``kv[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``
-        (contiguous; DRAM on CPU, VRAM on CUDA), or a raw address with ``geometry``.
+        (contiguous; DRAM on CPU, VRAM on CUDA), one tensor per layer (each ``[num_blocks, ...]``),
+        or a raw address with ``geometry``. Each of the layout's regions is registered.
         """
         with self._lock:
-            geometry, tensor = self._buffer(kv, geometry)
-            region = [(geometry.base_addr, geometry.total_bytes, geometry.device_id, "")]
+            geometry, tensors = self._buffer(kv, geometry)
+            regions = [(addr, length, geometry.device_id, "") for addr, length in geometry.regions()]
             try:
-                reg = self._agent.register_memory(region, geometry.memory_type)
+                reg = self._agent.register_memory(regions, geometry.memory_type)
             except Exception as exc:
                 raise self._translate(exc, "register_memory", None) from exc
             try:
-                local_blocks = self._agent.prep_xfer_dlist(_LOCAL, _dlist(geometry, False),
-                                                           geometry.memory_type)
+                local_blocks = _prep(self._agent, _LOCAL, geometry, False)
                 try:
-                    local_slices = self._agent.prep_xfer_dlist(_LOCAL, _dlist(geometry, True),
-                                                               geometry.memory_type)
+                    local_slices = _prep(self._agent, _LOCAL, geometry, True)
                 except Exception:
-                    local_blocks.release()
+                    if local_blocks is not None:
+                        local_blocks.release()
                     raise
             except Exception as exc:
                 self._quietly("deregister_memory", None, self._agent.deregister_memory, reg)
                 raise self._translate(exc, "prep_xfer_dlist (local)", None) from exc
-            self._reg, self._kv, self._geometry = reg, tensor, geometry
+            self._reg, self._kv, self._geometry = reg, tensors, geometry
             self._local_blocks, self._local_slices = local_blocks, local_slices
             return geometry
 
@@ -205,11 +217,11 @@ class NixlTransferAgent(AgentCore):
             prepared: list[Any] = []
             try:
                 for per_layer in (False, True):
-                    prepared.append(self._agent.prep_xfer_dlist(
-                        name, _dlist(peer_geometry, per_layer), peer_geometry.memory_type))
+                    prepared.append(_prep(self._agent, name, peer_geometry, per_layer))
             except Exception as exc:
                 for handle in prepared:
-                    self._quietly("release_dlist_handle", name, handle.release)
+                    if handle is not None:
+                        self._quietly("release_dlist_handle", name, handle.release)
                 self._quietly("remove_remote_agent", name, self._agent.remove_remote_agent, name)
                 raise self._translate(exc, "prep_xfer_dlist (remote)", name) from exc
             self._peers[name] = _NixlPeer(name, peer_geometry, blocks=prepared[0], slices=prepared[1])
@@ -231,7 +243,8 @@ class NixlTransferAgent(AgentCore):
                     transfer.handle = None
             p.transfers.clear()
             for handle in (p.blocks, p.slices):
-                self._quietly("release_dlist_handle", peer, handle.release)
+                if handle is not None:
+                    self._quietly("release_dlist_handle", peer, handle.release)
             self._quietly("remove_remote_agent", peer, self._agent.remove_remote_agent, peer)
             return True
 
@@ -343,7 +356,7 @@ class NixlTransferAgent(AgentCore):
         if self._reg is not None:
             self._quietly("deregister_memory", None, self._agent.deregister_memory, self._reg)
             self._reg = None
-        self._kv = None
+        self._kv = []
         self._agent = None
 
     # ------------------------------------------------------------------ helpers

@@ -68,6 +68,7 @@ class TransferRuntime:
             base_address=geometry.base_addr, num_blocks=geometry.num_blocks, num_layers=geometry.num_layers,
             block_bytes=geometry.block_bytes, layer_bytes=geometry.layer_bytes,
             memory_type=geometry.memory_type, device_id=geometry.device_id,
+            layer_bases=list(geometry.layer_bases), block_stride=geometry.block_stride,
             compat_hash=compat_hash(*fields), compat_summary=compat_summary(*fields),
             doorbell=f"{self._advertised_host()}:{self.doorbell.port}")
         self.thread = TransferThread(role, self.agent, self.info, config.kv_secret, self._emit, layout.block_size,
