@@ -22,6 +22,7 @@ import torch
 from engine_throughput import kv_decode, kv_prefill  # run as a script: benchmarks/ is on sys.path
 
 from kvpush.bench.demo import ensure_model
+from kvpush.bench.machine import machine_line
 from kvpush.bench.stats import fmt_ci, p50, ratio_ci, verdict
 from kvpush.config import (
     CacheConfig,
@@ -99,7 +100,8 @@ def main() -> None:
                 if (args.a if v == "A" else args.b).get("trim") == "on":
                     trim_heap()
                 times[(v, w)].append(run_workload(engines[v], w, rep))
-    print(f"\nA = {args.a or 'defaults'}, B = {args.b or 'defaults'}; {model}, one torch thread, "
+    print(f"\n{machine_line()}")
+    print(f"A = {args.a or 'defaults'}, B = {args.b or 'defaults'}; {model}, one torch thread, "
           f"{args.repeats} repeats alternating\n")
     print("| workload | A ms (median) | B ms (median) | B/A [95% CI] | verdict |")
     print("|---|---|---|---|---|")

@@ -23,6 +23,7 @@ import time
 
 import torch
 
+from kvpush.bench.machine import machine_line
 from kvpush.config import CacheConfig, CompileMode, EngineConfig, ModelConfig, SchedulerConfig
 from kvpush.engine.engine import LLMEngine
 from kvpush.engine.sampling_params import SamplingParams
@@ -131,7 +132,7 @@ def main() -> None:
             if batch:
                 samples["linears"].append(linears_alone(floor_engine, batch, args.decode_steps, s))
         rows.append((name, {k: statistics.median(v) for k, v in samples.items() if v}))
-    print(f"\nmodel {path}, torch threads 1, medians of {args.repeats}\n")
+    print(f"\n{machine_line()}\nmodel {path}, torch threads 1, medians of {args.repeats}\n")
     modes = list(engines)
     print("| workload | " + " | ".join(f"kvpush compile={m} tok/s" for m in modes) + " | transformers tok/s | "
           + " | ".join(f"compile={m} / transformers" for m in modes) + " | linears alone tok/s |")

@@ -29,6 +29,7 @@ from pathlib import Path
 from kvpush.bench.datasets import random_samples
 from kvpush.bench.demo import ensure_model
 from kvpush.bench.loadgen import LoadConfig, fetch_model, run_load
+from kvpush.bench.machine import facts
 from kvpush.bench.metrics import meets_slo, summarize, tpot_s
 from kvpush.bench.soak import process_figures
 from kvpush.bench.suite import AVOID_IDS, Fleet, SuiteConfig
@@ -154,7 +155,7 @@ def main() -> None:
     cfg = SuiteConfig(model=model_path, modes=tuple(args.deployments), serve_args=shlex.split(args.serve_args),
                       pin=not args.no_pin)
     fleet = Fleet(cfg, str(out_dir / "logs")).start()
-    doc: dict = {"command": "python benchmarks/overload.py " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+    doc: dict = {"machine": facts(), "command": "python benchmarks/overload.py " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
                  "serve_args": args.serve_args, "slo": {"ttft_ms": args.ttft_slo_ms, "tpot_ms": args.tpot_slo_ms},
                  "input_len": args.input_len, "output_len": args.output_len, "duration_s": args.duration_s,
                  "deployments": {}}

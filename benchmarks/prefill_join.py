@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from kvpush.bench.demo import ensure_model
+from kvpush.bench.machine import machine_line
 from kvpush.bench.stats import clustered_ratio_ci, fmt_ci, p50, p99, verdict
 from kvpush.config import EngineConfig, ModelConfig, SchedulerConfig, default_model_dir
 from kvpush.engine.engine import LLMEngine
@@ -80,6 +81,7 @@ def main() -> None:
     burst = prompts(len(LENGTHS) * 6, rng, vocab)
     _, busy = run(engines["pack"], burst, [0.0] * len(burst), "burst")
     rate = len(burst) / busy
+    print(machine_line())
     print(f"prefill throughput (one burst of {len(burst)}, packed): {rate:.2f} req/s")
     for load in args.loads:
         runs: dict[str, list[list[float]]] = {name: [] for name in engines}

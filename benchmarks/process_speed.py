@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kvpush.bench.calibrate import CalibrationConfig, probe  # noqa: E402
 from kvpush.bench.demo import ensure_model  # noqa: E402
+from kvpush.bench.machine import facts  # noqa: E402
 from kvpush.bench.modes import is_auto  # noqa: E402
 from kvpush.bench.suite import Fleet, SuiteConfig  # noqa: E402
 from kvpush.config import default_model_dir  # noqa: E402
@@ -94,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"start {i}: " + json.dumps(starts[-1]), flush=True)
     print(report(starts))
     if args.json:
-        args.json.write_text(json.dumps({"modes": args.modes, "batch": args.batch, "starts": starts}, indent=1))
+        args.json.write_text(json.dumps({"machine": facts(), "modes": args.modes, "batch": args.batch, "starts": starts}, indent=1))
     return 0
 
 

@@ -22,6 +22,7 @@ import msgspec
 from kvpush.bench.datasets import random_samples
 from kvpush.bench.demo import ensure_model
 from kvpush.bench.interleave import paired_report, run_interleaved
+from kvpush.bench.machine import facts
 from kvpush.bench.suite import AVOID_IDS, MODES, Fleet, SuiteConfig
 from kvpush.bench.trace import analyze, format_critical_path
 from kvpush.config import default_model_dir
@@ -59,7 +60,7 @@ def main() -> None:
         if cp is not None:
             print(format_critical_path(cp, mode) + "\n")
     with open(args.out, "w") as f:
-        json.dump({"config": vars(args), "critical_path": msgspec.to_builtins(paths),
+        json.dump({"config": vars(args), "machine": facts(), "critical_path": msgspec.to_builtins(paths),
                    "requests": msgspec.to_builtins(results)}, f)
     print(f"wrote {args.out}")
 

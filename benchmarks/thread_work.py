@@ -24,6 +24,7 @@ import aiohttp
 
 from kvpush.bench.datasets import random_samples
 from kvpush.bench.demo import ensure_model
+from kvpush.bench.machine import facts
 from kvpush.bench.stale import metric
 from kvpush.bench.stats import bootstrap_ci, fmt_ci
 from kvpush.bench.suite import AVOID_IDS
@@ -119,7 +120,7 @@ def main() -> None:
             dep.stop()
     print(summary(out))
     with open(args.out, "w") as f:
-        json.dump({"config": vars(args), "batches": out}, f, indent=1)
+        json.dump({"config": vars(args), "machine": facts(), "batches": out}, f, indent=1)
     print(f"wrote {args.out}")
 
 

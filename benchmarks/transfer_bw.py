@@ -38,6 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from kvpush.bench.machine import machine_line  # noqa: E402
 from kvpush.engine.kv_cache import allocate_kv  # noqa: E402
 from kvpush.transfer.descriptors import KVGeometry  # noqa: E402
 from kvpush.transfer.kv_agent import XferStatus  # noqa: E402
@@ -273,6 +274,7 @@ def main() -> None:
         return f"{nbytes / us / 1e3:.2f}"
 
     print()
+    print(machine_line())
     print("| blocks | MiB | descs | memcpy us | memcpy GB/s | nixl us | nixl GB/s | nixl - memcpy us "
           "| kvpush us | kvpush GB/s | kvpush - nixl us | kvpush post us |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")

@@ -24,6 +24,7 @@ import aiohttp
 
 from kvpush.bench.datasets import random_samples
 from kvpush.bench.demo import ensure_model
+from kvpush.bench.machine import facts
 from kvpush.bench.stats import bootstrap_ci, fmt_ci, verdict
 from kvpush.bench.suite import AVOID_IDS
 from kvpush.config import default_model_dir
@@ -142,7 +143,7 @@ def main() -> None:
         dep.stop()
     print(summary(out))
     with open(args.out, "w") as f:
-        json.dump({"config": vars(args), "phases": out}, f, indent=1)
+        json.dump({"config": vars(args), "machine": facts(), "phases": out}, f, indent=1)
     print(f"wrote {args.out}")
 
 

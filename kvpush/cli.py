@@ -92,6 +92,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
+def cmd_env(args: argparse.Namespace) -> int:
+    import json
+
+    from kvpush.bench.machine import facts, format_text
+
+    print(json.dumps(facts(), indent=1) if args.json else format_text(facts()))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvpush", description=__doc__, formatter_class=HelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -126,6 +135,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-prompts", type=int, default=12, help="measured requests per mode and rate")
     p.add_argument("--no-pin", action="store_true", help="let P and D share cores (default: kvpush up --pin)")
     p.set_defaults(func=cmd_demo)
+    p = sub.add_parser("env", help="the machine's facts that engine speed depends on (CPU, torch, kernels)",
+                       formatter_class=HelpFormatter)
+    p.add_argument("--json", action="store_true", help="print them as JSON, as benchmark runs record them")
+    p.set_defaults(func=cmd_env)
     _add_bench(sub)
     return parser
 

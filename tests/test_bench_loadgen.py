@@ -213,6 +213,8 @@ def test_run_bench_writes_one_json_per_rate(server, tmp_path: Path, capsys):
         assert cfg["mode"] == "push" and cfg["model"] == "fake-model" and cfg["api_key"] == "***"
         assert cfg["request_rate"] in ("inf", 200.0) and cfg["request_rates"] == ["inf", 200.0]
         assert {"kvpush_version", "git_commit", "cpu_count", "python", "torch", "nixl"} <= set(doc["environment"])
+        machine = doc["environment"]["machine"]  # kvpush env's facts: the CPU the run was made on
+        assert machine["cpu"]["model"] and machine["cores_usable"] >= 1 and machine["kernels"]["decode_attention"]
         m = doc["metrics"]
         assert (m["completed"], m["failed"], m["request_goodput"] > 0) == (5, 0, True)
         assert m["handover"][0]["name"] == "dispatched->p_admitted"

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from kvpush.bench.machine import cpu_label
 from kvpush.cli import main
 
 pytestmark = pytest.mark.integration
@@ -39,6 +40,7 @@ def test_bench_real_server_and_compare(module_server, tmp_path):
     assert main(["bench", "compare", *map(str, runs), "--out", str(out)]) == 0
     table = (out / "comparison.md").read_text()
     assert "push/pull" in table
+    assert f"Machine: {cpu_label(doc['environment']['machine'])}." in table  # the table names its CPU
     for png in ("ttft_vs_rate.png", "tpot_vs_rate.png"):
         data = (out / png).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000

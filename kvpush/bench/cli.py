@@ -219,8 +219,12 @@ def _git_dirty() -> bool | None:
 
 
 def environment() -> dict[str, Any]:
-    """Where a run was made: versions (from package metadata), git commit, CPUs."""
+    """Where a run was made: versions (from package metadata), git commit, CPUs, and the machine's facts
+    (machine.py: the CPU, torch's build and threads, huge pages, the kernel paths; `kvpush env`)."""
+    from kvpush.bench.machine import facts
+
     return {
+        "machine": facts(),
         "kvpush_version": _dist_version("kvpush") or _package_version(),
         "git_commit": _git_commit(),
         "git_dirty": _git_dirty(),

@@ -7,6 +7,7 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
+from kvpush.bench.machine import cpu_label
 from kvpush.bench.report import (
     Run,
     _by_rate,
@@ -101,6 +102,7 @@ def _markdown(results: Sequence[Run], png_names: Sequence[str]) -> str:
         "# kvpush benchmark comparison",
         "",
         f"{len(results)} runs. Repeats of a mode at one rate are combined by the median of each metric.",
+        f"Machine: {machines(results)}.",
         "Ratios are push/pull: below 1 push is better for latencies, above 1 for throughputs.",
         "",
         format_table(results),
@@ -113,6 +115,13 @@ def _markdown(results: Sequence[Run], png_names: Sequence[str]) -> str:
         parts += ["## Handover breakdown (median ms per segment; segments can overlap)", "", handover]
     parts += [f"![{name}]({name})" for name in png_names]
     return "\n".join(parts) + "\n"
+
+
+def machines(results: Sequence[Run]) -> str:
+    """The CPU(s) the runs were made on, named as `kvpush env` names them (runs older than that: unknown)."""
+    names = sorted({cpu_label(m) if (m := (r.get("environment") or {}).get("machine")) else "not recorded"
+                    for r in results})
+    return "; ".join(names)
 
 
 def compare(run_files: Sequence[str | Path], out_dir: str | Path) -> tuple[Path, list[Path]]:

@@ -35,6 +35,7 @@ from typing import Any
 import aiohttp
 
 from kvpush.bench.datasets import Sample, mixed_samples
+from kvpush.bench.machine import facts
 from kvpush.bench.stats import ratio_ci
 from kvpush.bench.suite import Fleet, SuiteConfig, process_tree
 
@@ -288,7 +289,7 @@ def run_soak(cfg: SoakConfig) -> Path:
     periods = math.ceil(cfg.duration_s / (cfg.period_s or cfg.duration_s / 6))
     summary = summarize(rows, end, outcomes, cfg.duration_s, periods)
     summary["idle_before"], summary["idle_after"] = before, after
-    path.write_text(json.dumps({"config": asdict(cfg), "summary": summary, "rows": rows}, indent=1))
+    path.write_text(json.dumps({"config": asdict(cfg), "machine": facts(), "summary": summary, "rows": rows}, indent=1))
     return path
 
 
