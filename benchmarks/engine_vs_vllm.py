@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from kvpush.argtypes import positive_int
+from kvpush.bench.machine import cpu_label
 from kvpush.bench.report import request_values
 from kvpush.bench.stats import fmt_ci, p50, p99, ratio_ci, verdict
 from kvpush.bench.suite import idle_cpu_of
@@ -204,7 +205,9 @@ def _ratio(runs: dict[tuple[str, str], list[dict]], name: str, anchor: str, prob
 
 def print_table(runs: dict[tuple[str, str], list[dict]], labels: list[str], anchor: str) -> None:
     columns = [c for c in COLUMNS if (anchor, c[0]) in runs]  # the probes that ran
-    print("\n| server | " + " | ".join(c[2] for c in columns) + " |")
+    machine = next((d.get("environment", {}).get("machine") for docs in runs.values() for d in docs), None)
+    print(f"\nmachine: {cpu_label(machine) if machine else 'not recorded in these runs'}")
+    print("| server | " + " | ".join(c[2] for c in columns) + " |")
     print("|---" * (len(columns) + 1) + "|")
     for name in labels:
         cells = [_cell(runs[(name, p)], k) for p, k, _ in columns]
