@@ -1,17 +1,14 @@
-"""OpenAI response bodies: completions, chat completions, stream chunks, usage, errors, logprobs."""
+"""OpenAI response bodies: completions, chat completions, stream chunks, usage, logprobs (error bodies,
+JSON and SSE framing: kvpush/protocol/http.py)."""
 
 from __future__ import annotations
 
 import time
 
-import msgspec
-
 from kvpush.instance.generation import GenEvent, GenState
 from kvpush.instance.messages import LogprobEntry
 from kvpush.models.tokenizer import Tokenizer
 from kvpush.protocol.trace import Trace
-
-_json = msgspec.json.Encoder()
 
 
 def usage(states: list[GenState]) -> dict:

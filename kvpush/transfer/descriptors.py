@@ -102,12 +102,10 @@ class KVGeometry(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def block_major(self) -> bool:
-        """Whole blocks are contiguous: one descriptor per block (and per run of blocks). Asked on
-        every post: kvpush's own layout (no layer_bases) answers at once."""
-        if not self.layer_bases:
-            return True
-        return self.block_stride == self.block_bytes and all(
-            base == self.base_addr + layer * self.layer_bytes for layer, base in enumerate(self.layer_bases))
+        """Whole blocks are contiguous: one descriptor per block (and per run of blocks). A layout with
+        layer_bases is layer-major: its layers' extents may not overlap (checked), which block-major
+        layers of more than one block always do."""
+        return not self.layer_bases
 
     @property
     def total_bytes(self) -> int:
@@ -172,8 +170,8 @@ class KVGeometry(msgspec.Struct, frozen=True, kw_only=True):
     @classmethod
     def from_layers(cls, layers: Sequence[torch.Tensor]) -> KVGeometry:
         """Geometry of one tensor per layer, each ``[num_blocks, ...]`` and contiguous, all of one shape,
-        dtype and device (vLLM's per-layer KV caches). Layers that happen to sit block-major in one
-        buffer come out block-major."""
+        dtype and device (vLLM's per-layer KV caches): a layer-major layout. Layers of one buffer that
+        follow each other (vLLM's) are one region to register."""
         if not layers:
             raise ValueError("no layer tensors")
         first = layers[0]

@@ -2,14 +2,16 @@
 
 What it wraps
 -------------
-Each instance registers one block-major KV buffer (docs/design.md section 2)::
+Each instance registers one KV buffer: kvpush's engine a block-major one (docs/design.md section 2)::
 
     kv[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]   # contiguous
 
-``NixlTransferAgent`` registers it once, prepares descriptor lists once (locally at
+or one tensor per layer, ``[num_blocks, ...]`` each (vLLM's layout; descriptors.py describes both).
+``NixlTransferAgent`` registers its regions once, prepares descriptor lists once (locally at
 ``register_kv``, per peer at ``add_peer``), and turns block-id lists into prepared transfers:
 
-* ``write`` / ``read``: whole blocks (one descriptor per block ``kv[b]``, ``block_bytes`` each);
+* ``write`` / ``read``: whole blocks (one descriptor per block ``kv[b]``, ``block_bytes`` each) where
+  both sides are block-major, else every layer's slice of each block;
 * ``write_layers`` / ``read_layers``: slices ``kv[b, l]`` (``layer_bytes`` each) of chosen layers.
 
 Descriptor merging. Transfers are made with ``make_prepped_xfer`` from the per-block and
