@@ -219,7 +219,8 @@ def build_engine(config: EngineConfig, role: Role, transfer: TransferConfig,
     from kvpush.transfer.prefill_connector import PrefillConnector
     from kvpush.transfer.runtime import TransferRuntime
 
-    runtime = TransferRuntime(role, transfer, engine.cache, config.model.model, str(engine.dtype), waker.wake)
+    runtime = TransferRuntime(role, transfer, engine.cache.kv, engine.cache.layout, config.model.model,
+                              str(engine.dtype), waker.wake)
     connector: RuntimeConnector = (PrefillConnector(runtime, transfer) if role is Role.PREFILL
                                    else DecodeConnector(runtime, transfer))
     engine.set_connector(connector)

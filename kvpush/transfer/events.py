@@ -7,9 +7,11 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class FreeBlocks:
-    """These blocks of ours are no longer held by a transfer: back to the block manager."""
+    """These blocks of ours are no longer held by a transfer: back to the block manager. P names the
+    transfer (its held blocks may be shared by several: prefix-cached); D's blocks belong to one each."""
 
     block_ids: list[int]
+    transfer_id: str | None = None
 
 
 @dataclass(frozen=True)

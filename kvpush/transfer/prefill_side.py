@@ -59,7 +59,7 @@ class PrefillSide:
             rec = self.ledger.on_prefill_done(cmd.transfer_id, cmd.request_id, cmd.block_ids, cmd.lease_deadline,
                                               peer_engine_id=cmd.decode_engine_id, num_tokens=cmd.num_tokens)
         except LedgerError:  # the ledger refused the Hold and took none of its blocks: give them back
-            self.posted.emit(FreeBlocks(list(cmd.block_ids)))
+            self.posted.emit(FreeBlocks(list(cmd.block_ids), cmd.transfer_id))
             raise
         self._update(rec)
 
@@ -282,7 +282,7 @@ class PrefillSide:
         self.first_tokens.pop(rec.transfer_id, None)
         self.reg_times.pop(rec.transfer_id, None)
         if rec.local_block_ids:
-            self.posted.emit(FreeBlocks(list(rec.local_block_ids)))
+            self.posted.emit(FreeBlocks(list(rec.local_block_ids), rec.transfer_id))
 
     # ---- timers and polling ----------------------------------------------------------------
     def housekeeping(self, now: float) -> bool:

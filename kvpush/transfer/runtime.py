@@ -13,11 +13,12 @@ import os
 import queue
 import socket
 import uuid
-from collections.abc import Callable
-from typing import TypeVar
+from collections.abc import Callable, Sequence
+from typing import Protocol, TypeVar
+
+import torch
 
 from kvpush.config import KVMode, Role, TransferConfig
-from kvpush.engine.kv_cache import KVCache
 from kvpush.engine.kv_connector import KVConnector
 from kvpush.errors import InvalidRequestError
 from kvpush.protocol.kv_params import DecodeLegParams, PrefillLegParams, RequestLegParams
@@ -45,18 +46,33 @@ def new_engine_id(role: Role) -> str:
     return f"{role.value}-{uuid.uuid4().hex[:12]}"
 
 
+class KVShape(Protocol):
+    """What the compat hash needs of a KV cache (kvpush's KVLayout has it; the vLLM connector builds one)."""
+
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def num_kv_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def block_size(self) -> int: ...
+
+
 class TransferRuntime:
-    def __init__(self, role: Role, config: TransferConfig, cache: KVCache, model_id: str, dtype: str,
-                 wake: Callable[[], None]) -> None:
+    """``kv``: kvpush's block-major buffer or one tensor per layer (vLLM's), as ``register_kv`` takes it."""
+
+    def __init__(self, role: Role, config: TransferConfig, kv: torch.Tensor | Sequence[torch.Tensor],
+                 layout: KVShape, model_id: str, dtype: str, wake: Callable[[], None]) -> None:
         self.role = role
         self.config = config
         self.engine_id = new_engine_id(role)
         self.events: queue.SimpleQueue[Event] = queue.SimpleQueue()
         self._wake = wake
-        layout = cache.layout
-        self.agent = NixlTransferAgent(self.engine_id, memory_type="VRAM" if cache.kv.is_cuda else "DRAM",
-                                       device_id=cache.kv.device.index or 0)
-        geometry = self.agent.register_kv(cache.kv)
+        first = kv if isinstance(kv, torch.Tensor) else kv[0]
+        self.agent = NixlTransferAgent(self.engine_id, memory_type="VRAM" if first.is_cuda else "DRAM",
+                                       device_id=first.device.index or 0)
+        geometry = self.agent.register_kv(kv if isinstance(kv, torch.Tensor) else list(kv))
         # The compat hash covers the transfer mode, so push and pull instances never pair up.
         fields = (model_identity(model_id), dtype, layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.block_size,
                   config.kv_mode.value)

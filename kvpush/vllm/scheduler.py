@@ -1,0 +1,199 @@
+"""The scheduler half of KVPushConnector: runs in vLLM's scheduler (engine-core process), does no I/O.
+
+Decode leg (D), a request's states as this half sees them:
+    on_new_request: leg parsed, deadline = now + kv_timeout_s
+    -> get_num_new_matched_tokens: every prompt token D's prefix cache lacks, loaded asynchronously
+       (past the deadline: none; the request is computed locally and P is told to Abort)
+    -> update_state_after_alloc: the blocks for those tokens get one more reference (ours: vLLM cannot
+       reuse them while a WRITE or READ may land, whatever happens to the request), RecvJob to the worker
+       (nothing to receive: P is told to Release) -> vLLM's WAITING_FOR_REMOTE_KVS
+    -> the worker reports the request in finished_recving (and failed_recving on failure: vLLM
+       recomputes it, or fails it with kv_load_failure_policy "fail")
+    -> WorkerReport.released: our reference goes (at once when the KV landed; after the quarantine
+       when the transfer failed or was cancelled)
+    request_finished while the KV is arriving: CancelJob (vLLM keeps the request until the worker
+    reports it in finished_recving, which it does once the transfer has ended).
+Prefill leg (P):
+    request_finished, stopped normally with its blocks: HoldJob, (True, P's answer): vLLM keeps the
+    blocks until the worker reports the request in finished_sending (transfer done, D released or
+    aborted, or the lease expired); ended otherwise: CancelJob (D is told), blocks freed at once.
+InfoQuery: request_finished answers with this instance's engine ids and side-channel addresses.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvpush.config import KVMode, Role
+from kvpush.errors import InvalidRequestError
+from kvpush.protocol import kv_params as kp
+from kvpush.protocol.vllm_params import prefill_result
+from kvpush.vllm import legs
+from kvpush.vllm.config import ConnectorOptions
+from kvpush.vllm.meta import CancelJob, HoldJob, NotifyJob, RecvJob, StepMeta, WorkerReport
+
+log = logging.getLogger("vllm.kvpush")
+STOPPED = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")  # vLLM's RequestStatus names of a normal end
+
+
+@dataclass(frozen=True)
+class Address:
+    """Where one role's transfer runtime listens (the worker's handshake metadata)."""
+
+    engine_id: str
+    kv_host: str
+    kv_port: int
+
+
+@dataclass
+class _Decode:
+    leg: legs.Leg
+    deadline: float
+    started: bool = False  # update_state_after_alloc ran: RecvJob, Release or Abort sent
+    receiving: bool = False  # a RecvJob's outcome is not reported yet
+
+    @property
+    def params(self) -> kp.DecodeLegParams:
+        assert isinstance(self.leg.params, kp.DecodeLegParams)
+        return self.leg.params
+
+
+@dataclass
+class Counters:
+    invalid_params: int = 0
+    late: int = 0  # D: the deadline passed before blocks were allocated (computed locally)
+    released: int = 0  # D: nothing to receive (prefix cache)
+    held_prefills: int = 0
+
+
+@dataclass
+class SchedulerSide:
+    options: ConnectorOptions
+    roles: tuple[Role, ...]
+    block_size: int
+    pool: Any = None  # vLLM's BlockPool (touch / free_blocks), bound after construction
+    addresses: dict[Role, Address] = field(default_factory=dict)
+    states: dict[str, legs.Leg | _Decode | legs.InfoQuery] = field(default_factory=dict)
+    held: dict[str, list[Any]] = field(default_factory=dict)  # D request -> blocks we hold a reference on
+    sending: set[str] = field(default_factory=set)  # P requests whose blocks vLLM keeps for a transfer
+    counters: Counters = field(default_factory=Counters)
+    _meta: StepMeta = field(default_factory=StepMeta)
+
+    # ---- requests ----------------------------------------------------------------------------
+    def on_new_request(self, request: Any) -> None:
+        try:
+            parsed = legs.parse(request.kv_transfer_params, self.roles, self.options.mode)
+        except InvalidRequestError as e:
+            self.counters.invalid_params += 1
+            log.error("request %s: %s; it is computed here without a transfer", request.request_id, e)
+            return
+        if isinstance(parsed, legs.Leg) and parsed.role is Role.DECODE:
+            self.states[request.request_id] = _Decode(parsed, time.time() + self.options.kv_timeout_s)
+        elif parsed is not None:
+            self.states[request.request_id] = parsed
+
+    def matched(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        st = self.states.get(request.request_id)
+        if not isinstance(st, _Decode) or st.started or time.time() >= st.deadline:
+            return 0, False
+        count = request.num_prompt_tokens - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        st = self.states.get(request.request_id)
+        if not isinstance(st, _Decode) or st.started:
+            return
+        st.started = True
+        if num_external_tokens == 0:
+            late = time.time() >= st.deadline
+            self.counters.late += late
+            self.counters.released += not late
+            if late:
+                log.warning("request %s: its KV deadline passed before decode capacity was free; computed "
+                            "locally", request.request_id)
+            self._meta.notify.append(NotifyJob(st.params, release=not late, fallback=late))
+            return
+        group = list(blocks.blocks[0])
+        local = 0  # blocks of D's own prefix cache (hashed) come first
+        while local < len(group) and group[local].block_hash is not None and not group[local].is_null:
+            local += 1
+        n = request.num_prompt_tokens
+        transfer = group[local: -(-n // self.block_size)]
+        if num_external_tokens != n - local * self.block_size:
+            log.warning("request %s: vLLM loads %d tokens, the blocks say %d", request.request_id,
+                        num_external_tokens, n - local * self.block_size)
+        self.pool.touch(transfer)
+        self.held[request.request_id] = transfer
+        st.receiving = True
+        self._meta.recv.append(RecvJob(request.request_id, st.params, tuple(b.block_id for b in transfer),
+                                       local * self.block_size, n, st.deadline))
+
+    def finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        st = self.states.pop(request.request_id, None)
+        if isinstance(st, legs.InfoQuery):
+            return False, self.info()
+        if isinstance(st, _Decode):
+            if not st.started:  # ended before blocks were allocated: P holds the KV for nothing
+                self._meta.notify.append(NotifyJob(st.params, release=False))
+            elif st.receiving:
+                self._meta.cancel.append(CancelJob(Role.DECODE.value, st.params.transfer_id,
+                                                   f"decode {request.status.name.lower()}", st.params.prefill_engine_id))
+            return False, None
+        if isinstance(st, legs.Leg):
+            return self._prefill_done(request, st, block_ids)
+        return False, None
+
+    def _prefill_done(self, request: Any, leg: legs.Leg, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        params = leg.params
+        assert isinstance(params, kp.PrefillLegParams)
+        n = request.num_prompt_tokens
+        blocks = tuple(block_ids[: -(-n // self.block_size)])
+        if request.status.name not in STOPPED or not request.output_token_ids or not blocks:
+            self._meta.cancel.append(CancelJob(Role.PREFILL.value, params.transfer_id,
+                                               f"prefill {request.status.name.lower()}", params.decode_engine_id))
+            return False, None
+        address = self.addresses[Role.PREFILL]
+        lease = time.time() + self.options.kv_lease_s
+        first = int(request.output_token_ids[0])
+        self._meta.hold.append(HoldJob(request.request_id, params, blocks, n, first, lease))
+        self.sending.add(request.request_id)
+        self.counters.held_prefills += 1
+        pull = params.mode is KVMode.PULL
+        result = kp.PrefillResult(transfer_id=params.transfer_id, mode=params.mode,
+                                  prefill_engine_id=address.engine_id, prefill_kv_host=address.kv_host,
+                                  prefill_kv_port=address.kv_port, num_tokens=n,
+                                  block_ids=list(blocks) if pull else [], lease_expiry=lease if pull else None,
+                                  first_token_id=first)
+        return True, prefill_result(result) if leg.vllm_shaped else kp.params_to_dict(result)
+
+    def info(self) -> dict[str, Any]:
+        """The answer to an InfoQuery (the proxy's discovery of a vLLM instance)."""
+        return {"kvpush": "kv_info", "kv_mode": self.options.mode.value, "block_size": self.block_size,
+                "roles": {role.value: {"engine_id": a.engine_id, "kv_host": a.kv_host, "kv_port": a.kv_port}
+                          for role, a in self.addresses.items()}}
+
+    # ---- steps -------------------------------------------------------------------------------
+    def build_meta(self, num_scheduled_tokens: int) -> StepMeta:
+        meta, self._meta = self._meta, StepMeta()
+        meta.idle = num_scheduled_tokens == 0
+        meta.waiting = bool(self.sending or self.held)
+        return meta
+
+    def on_output(self, finished_sending: set[str] | None, finished_recving: set[str] | None,
+                  report: WorkerReport | None) -> None:
+        self.sending.difference_update(finished_sending or ())
+        for request_id in finished_recving or ():
+            st = self.states.get(request_id)
+            if isinstance(st, _Decode):
+                st.receiving = False
+        for request_id in report.released if report is not None else ():
+            blocks = self.held.pop(request_id, None)
+            if blocks:
+                self.pool.free_blocks(blocks)
+
+    def has_pending_work(self) -> bool:
+        """Keeps vLLM stepping while P holds blocks or D holds references (their ends come via steps)."""
+        return bool(self.sending or self.held or self._meta)
