@@ -2,9 +2,11 @@
 
     python benchmarks/engine_ab.py --a huge_pages=off --b huge_pages=on [--repeats 9]
                                    [--workloads decode1 decode16 prefill512] [--model DIR]
+    python benchmarks/engine_ab.py --a linear=mkl --b linear=onednn     # the two linear backends
 
 Builds one LLMEngine per variant (settings: `compile=on|off|auto`, `huge_pages=on|off`,
-`trim=on|off`: the heap trimmed before each timed workload), then per
+`trim=on|off`: the heap trimmed before each timed workload, `linear=auto|mkl|onednn`: the
+linear layers' backend, --linear-backend; default auto, what this machine's calibration chose), then per
 repeat runs every workload on both engines, the order alternating between repeats, so that the
 machine's drift (+-15% here from one minute to the next) hits both alike. Workloads: `decodeN`
 (N sequences of 64 prompt tokens decode 32 steps together; ms per step), `prefillN` (one N-token
@@ -28,6 +30,7 @@ from kvpush.config import (
     CacheConfig,
     CompileMode,
     EngineConfig,
+    LinearBackend,
     ModelConfig,
     SchedulerConfig,
     default_model_dir,
@@ -36,7 +39,8 @@ from kvpush.engine.engine import LLMEngine
 from kvpush.engine.native_memory import trim_heap
 
 # trim=on: malloc_trim right before each timed workload of that variant, as the engine core does when idle
-SETTINGS = {"compile": ("on", "off", "auto"), "huge_pages": ("on", "off"), "trim": ("on", "off")}
+SETTINGS = {"compile": ("on", "off", "auto"), "huge_pages": ("on", "off"), "trim": ("on", "off"),
+            "linear": ("auto", "mkl", "onednn")}
 DECODE_STEPS = 32
 
 
@@ -57,7 +61,8 @@ def build(model: str, settings: dict[str, str]) -> LLMEngine:
         ModelConfig(model, huge_pages=settings.get("huge_pages", "on") == "on"),
         CacheConfig(num_blocks=2048, enable_prefix_caching=False),
         SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=4096),
-        compile=CompileMode(settings.get("compile", "auto"))))
+        compile=CompileMode(settings.get("compile", "auto")),
+        linear_backend=LinearBackend(settings.get("linear", "auto"))))
 
 
 def parse_workload(name: str) -> tuple[str, int] | None:
@@ -102,7 +107,10 @@ def main() -> None:
                 times[(v, w)].append(run_workload(engines[v], w, rep))
     print(f"\n{machine_line()}")
     print(f"A = {args.a or 'defaults'}, B = {args.b or 'defaults'}; {model}, one torch thread, "
-          f"{args.repeats} repeats alternating\n")
+          f"{args.repeats} repeats alternating")
+    for v, eng in engines.items():
+        print(f"{v}: compiled {eng.runner.compiled}; {eng.linear_choice.line()}")
+    print()
     print("| workload | A ms (median) | B ms (median) | B/A [95% CI] | verdict |")
     print("|---|---|---|---|---|")
     for w in args.workloads:

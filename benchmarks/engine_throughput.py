@@ -1,14 +1,17 @@
 """Single-instance engine throughput vs Hugging Face transformers, one torch thread.
 
     python benchmarks/engine_throughput.py [--model DIR] [--repeats 3] [--compile on,off]
+                                           [--linear-backend auto|mkl|onednn]
 
 Prefill tokens/s for 512- and 2048-token prompts, decode tokens/s at batch 1 and 16, for the
 kvpush engine (eager and torch.compile'd, `--compile`) and for transformers (`forward` for prefill,
 `generate` for decode) on the same checkpoint (the bench preset, made if missing). Medians over
 repeats; each repeat runs every engine once, alternating, so load on the machine hits all alike.
+The kvpush engines' linear layers run on `--linear-backend` (default auto: what this machine's
+calibration chose, engine/linear_choice.py); the output names it.
 
-For decode it also measures "linears alone": the model's own linear layers (every nn.Linear of the
-engine's model, in forward order, the LM head included) applied to a batch of random rows, each
+For decode it also measures "linears alone": the model's own linear layers (every linear of the
+engine's model, on its backend, in forward order, the LM head included) applied to a batch of random rows, each
 weight read once per step as in a decode step, nothing else. No engine that computes this model in
 fp32 with these matrix products can step faster than that; the last lines say how much of the
 2x-transformers budget of a batch-16 step it takes.
@@ -24,9 +27,10 @@ import time
 import torch
 
 from kvpush.bench.machine import machine_line
-from kvpush.config import CacheConfig, CompileMode, EngineConfig, ModelConfig, SchedulerConfig
+from kvpush.config import CacheConfig, CompileMode, EngineConfig, LinearBackend, ModelConfig, SchedulerConfig
 from kvpush.engine.engine import LLMEngine
 from kvpush.engine.sampling_params import SamplingParams
+from kvpush.layers.linear import linear_modules
 
 
 def ensure_model(path: str | None) -> str:
@@ -75,7 +79,7 @@ def kv_decode(eng: LLMEngine, batch: int, steps: int, seed: int) -> float:
 
 def linears_alone(eng: LLMEngine, batch: int, steps: int, seed: int) -> float:
     """Decode tok/s if a step were only the model's linears (weights in forward order, each read once)."""
-    linears = [m for m in eng.model.modules() if isinstance(m, torch.nn.Linear)]
+    linears = linear_modules(eng.model)
     gen = torch.Generator().manual_seed(seed)
     rows = {n: torch.randn(batch, n, generator=gen) for n in {m.in_features for m in linears}}  # [batch, in]
     with torch.inference_mode():
@@ -113,6 +117,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--decode-steps", type=int, default=32)
     ap.add_argument("--compile", default="off,on", help="kvpush engines to measure: comma-separated on|off|auto")
+    ap.add_argument("--linear-backend", default="auto", choices=[b.value for b in LinearBackend],
+                    help="the kvpush engines' linear layers (default: auto, this machine's calibrated choice)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     path = ensure_model(args.model)
@@ -124,9 +130,10 @@ def main() -> None:
         t = time.perf_counter()
         engines[mode] = LLMEngine(EngineConfig(
             ModelConfig(path), CacheConfig(num_blocks=2048, enable_prefix_caching=False),
-            SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=4096), compile=CompileMode(mode)))
+            SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=4096), compile=CompileMode(mode),
+            linear_backend=LinearBackend(args.linear_backend)))
         print(f"kvpush compile={mode}: engine ready in {time.perf_counter() - t:.1f} s "
-              f"(compiled: {engines[mode].runner.compiled})")
+              f"(compiled: {engines[mode].runner.compiled}); {engines[mode].linear_choice.line()}")
     vocab = hf.config.vocab_size
     workloads = [(f"prefill {n} tokens", lambda e, s, n=n: kv_prefill(e, n, s), lambda s, n=n: hf_prefill(hf, n, s, vocab))
                  for n in (512, 2048)]
@@ -144,7 +151,10 @@ def main() -> None:
             if batch:
                 samples["linears"].append(linears_alone(floor_engine, batch, args.decode_steps, s))
         rows.append((name, {k: statistics.median(v) for k, v in samples.items() if v}))
-    print(f"\n{machine_line()}\nmodel {path}, torch threads 1, medians of {args.repeats}\n")
+    backends = ", ".join(f"compile={m} {e.linear_choice.backend.value} ({e.linear_choice.source})"
+                         for m, e in engines.items())
+    print(f"\n{machine_line()}\nmodel {path}, torch threads 1, medians of {args.repeats}; linear backend: "
+          f"{backends}\n")
     modes = list(engines)
     print("| workload | " + " | ".join(f"kvpush compile={m} tok/s" for m in modes) + " | transformers tok/s | "
           + " | ".join(f"compile={m} / transformers" for m in modes) + " | linears alone tok/s |")

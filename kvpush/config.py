@@ -59,6 +59,35 @@ def compile_mode_default() -> CompileMode:
     return CompileMode(os.environ.get("KVPUSH_COMPILE", CompileMode.AUTO.value))
 
 
+class LinearBackend(StrEnum):
+    """How the model's linear layers multiply on a CPU (layers/linear.py): `mkl` plain nn.Linear (torch's
+    matmul, MKL), `onednn` weights packed once at load for oneDNN; `auto` times both on the model's shapes
+    at start-up and keeps the faster, cached per CPU model and torch version (engine/linear_choice.py)."""
+
+    AUTO = "auto"
+    MKL = "mkl"
+    ONEDNN = "onednn"
+
+
+def linear_backend_default() -> LinearBackend:
+    """`auto`, unless KVPUSH_LINEAR_BACKEND says otherwise (the test suite sets `mkl`)."""
+    return parse_linear_backend(os.environ.get("KVPUSH_LINEAR_BACKEND", LinearBackend.AUTO.value))
+
+
+def parse_linear_backend(value: str | LinearBackend) -> LinearBackend:
+    """A LinearBackend from its name; ValueError that lists the names."""
+    try:
+        return LinearBackend(value)
+    except ValueError:
+        names = ", ".join(b.value for b in LinearBackend)
+        raise ValueError(f"linear backend {value!r}: expected one of {names}") from None
+
+
+def linear_cache_dir() -> str:
+    """Where the calibrated linear backend of each (CPU model, torch, model shapes) is kept."""
+    return user_cache_dir("linear")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     model: str
@@ -112,6 +141,7 @@ class EngineConfig:
     torch_threads: int = 1
     seed: int = 0
     compile: CompileMode = field(default_factory=compile_mode_default)
+    linear_backend: LinearBackend = field(default_factory=linear_backend_default)
 
 
 @dataclass(frozen=True)

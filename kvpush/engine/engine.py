@@ -10,6 +10,7 @@ one thread. A KV connector (prefill/decode roles) hooks admission and step bound
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from dataclasses import dataclass, field, replace
@@ -17,11 +18,13 @@ from dataclasses import dataclass, field, replace
 import msgspec
 import torch
 
+from kvpush.bench import machine
 from kvpush.config import EngineConfig, SchedulerConfig, apply_native_cache_environment
 from kvpush.engine.block_manager import BlockManager
 from kvpush.engine.device import resolve_device
 from kvpush.engine.kv_cache import KVCache, KVLayout
 from kvpush.engine.kv_connector import EngineHooks, KVConnector
+from kvpush.engine.linear_choice import Choice, choose_for
 from kvpush.engine.model_runner import ModelRunner
 from kvpush.engine.prompt_check import check_prompt
 from kvpush.engine.request import Request, RequestStatus
@@ -32,6 +35,7 @@ from kvpush.models.loader import load_model
 from kvpush.protocol.kv_params import PrefillResult, RequestLegParams
 from kvpush.protocol.trace import Trace
 
+log = logging.getLogger(__name__)
 
 @dataclass
 class EngineOutput:
@@ -55,8 +59,11 @@ class LLMEngine:
         apply_native_cache_environment()  # before the first oneDNN operation
         torch.set_num_threads(config.torch_threads)
         self.device = resolve_device(config.model.device)  # DeviceError: e.g. cuda on a machine without
+        self.linear_choice: Choice = choose_for(config, self.device, machine.cpu())  # --linear-backend: calibrated or cached
+        log.info("%s", self.linear_choice.line())
         self.model, self.arch, self.dtype = load_model(config.model.model, config.model.dtype, str(self.device),
-                                                          huge_pages=config.model.huge_pages)
+                                                          huge_pages=config.model.huge_pages,
+                                                          linear_backend=self.linear_choice.backend)
         self.max_model_len = min(config.model.max_model_len or self.arch.max_position_embeddings,
                                  self.arch.max_position_embeddings)
         self.layout = self._layout()

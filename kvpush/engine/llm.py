@@ -12,7 +12,14 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 
-from kvpush.config import CacheConfig, CompileMode, EngineConfig, ModelConfig, SchedulerConfig
+from kvpush.config import (
+    CacheConfig,
+    CompileMode,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    parse_linear_backend,
+)
 from kvpush.engine.engine import LLMEngine
 from kvpush.engine.request import RequestStatus
 from kvpush.engine.sampling_params import SamplingParams, TokenLogprob
@@ -34,7 +41,8 @@ class RequestOutput:
 
 
 def build_engine_config(model: str, **kwargs) -> EngineConfig:
-    """EngineConfig from flat keyword arguments (dtype=, block_size=, max_num_seqs=, ...)."""
+    """EngineConfig from flat keyword arguments (dtype=, block_size=, max_num_seqs=, compile=,
+    linear_backend="auto" | "mkl" | "onednn", ...)."""
     groups = {ModelConfig: {}, CacheConfig: {}, SchedulerConfig: {}}  # type: ignore[var-annotated]
     top = {}
     for key, value in kwargs.items():
@@ -45,6 +53,8 @@ def build_engine_config(model: str, **kwargs) -> EngineConfig:
             top[key] = value
         elif key == "compile":
             top[key] = CompileMode(value)
+        elif key == "linear_backend":
+            top[key] = parse_linear_backend(value)
         else:
             raise TypeError(f"unknown engine option {key!r}")
     return EngineConfig(

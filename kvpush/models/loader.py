@@ -8,8 +8,10 @@ import os
 import torch
 from safetensors import safe_open
 
+from kvpush.config import LinearBackend
 from kvpush.engine.native_memory import huge_page_arena, trim_heap
 from kvpush.errors import ModelLoadError
+from kvpush.layers.linear import pack_linears
 from kvpush.models.arch import ArchConfig, load_arch_config
 from kvpush.models.decoder import CausalLM
 
@@ -47,15 +49,23 @@ def safetensors_files(model_dir: str) -> list[str]:
 
 
 def load_model(model_dir: str, dtype: str = "auto", device: str = "cpu", max_positions: int | None = None,
-               huge_pages: bool = True):
+               huge_pages: bool = True, linear_backend: LinearBackend = LinearBackend.MKL):
     """Build the model for the checkpoint and load its weights. Returns (model, arch config, dtype).
-    On the CPU with `huge_pages`, the weights end up on transparent huge pages (`pack_on_huge_pages`)."""
+    With the `onednn` linear backend the linears' weights are packed for oneDNN (layers/linear.py) in
+    place of the loaded ones. On the CPU with `huge_pages`, the other weights (all of them with `mkl`)
+    end up on transparent huge pages (`pack_on_huge_pages`)."""
     cfg = load_arch_config(model_dir)
     torch_dtype = resolve_dtype(dtype, cfg)
     with torch.device(device):
         model = CausalLM(cfg, max_positions or cfg.max_position_embeddings)
     _load_weights(model, cfg, safetensors_files(model_dir))
     model = model.to(dtype=torch_dtype).eval()
+    if linear_backend is LinearBackend.ONEDNN:
+        try:
+            pack_linears(model)
+        except RuntimeError as e:
+            raise ModelLoadError(f"--linear-backend onednn: oneDNN cannot pack this model's {torch_dtype} "
+                                 f"weights here: {str(e).strip().splitlines()[0]}") from e
     if huge_pages and torch.device(device).type == "cpu":
         pack_on_huge_pages(model)
     return model, cfg, torch_dtype
