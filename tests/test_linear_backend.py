@@ -5,11 +5,13 @@ weights; calibration's decision, cache and key on fake timings; the flag. No tes
 from __future__ import annotations
 
 import json
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
-from test_engine import ATOL, GREEDY, engine, generate, ours_logits, prompts
+from test_engine import ATOL, engine, generate, ours_logits, prompts
 from torch import nn
 
 from kvpush.bench import machine
@@ -167,6 +169,20 @@ def test_calibration_measures_again_when_the_key_differs(tiny_model, llama_model
     assert len(list(tmp_path.glob("linear-*.json"))) == 6
 
 
+def test_engines_starting_together_measure_once(tiny_model, tmp_path):
+    model = meta_model(tiny_model)
+
+    class Slow(FakeMeasure):
+        def __call__(self, *args) -> lc.Timings:
+            time.sleep(0.3)
+            return super().__call__(*args)
+
+    slow = Slow(10.0, 5.0)
+    with ThreadPoolExecutor(3) as pool:
+        choices = list(pool.map(lambda _: choose(model, tmp_path, slow), range(3)))
+    assert slow.calls == 1 and sorted(c.source for c in choices) == ["cached", "cached", "measured"]
+
+
 def test_a_broken_cache_file_is_measured_again(tiny_model, tmp_path):
     model = meta_model(tiny_model)
     path = Path(choose(model, tmp_path, FakeMeasure(10.0, 5.0)).path or "")
@@ -196,11 +212,14 @@ def test_real_calibration_on_tiny_shapes(tiny_model, tmp_path):
         assert all(m > 0 and o > 0 for m, o in timings.values())
 
 
-def test_timed_shapes_are_bounded():
-    shapes = [lc.Shape(1024, 1024, False, False)] * 10 + [lc.Shape(1024, 50_000, False, True)]
+def test_calibration_is_bounded_and_a_large_head_stays_plain():
+    shapes = [lc.Shape(1024, 1024, False, False)] * 10 + [lc.Shape(1024, 4096, False, True)]
     timed = lc.timed_shapes(shapes, torch.float32, budget=3 * 4 << 20)  # three 4 MiB layers' worth
-    assert timed == shapes[:3]  # and the 200 MB LM head stays out (and unpacked... by calibration's choice)
+    assert timed == shapes[:3] + shapes[-1:]
     assert lc.timed_shapes(shapes[:1], torch.float32, budget=1) == shapes[:1]  # at least one
+    big = nn.Module()
+    big.proj, big.lm_head = nn.Linear(8, 8, device="meta"), nn.Linear(1024, 40_000, device="meta")  # 164 MB head
+    assert [s.logits for s in lc.model_shapes(big)] == [False]
 
 
 def test_env_reports_the_cached_choice(tiny_model, tmp_path, monkeypatch):

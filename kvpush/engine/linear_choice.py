@@ -13,13 +13,15 @@ the linear shapes, the workloads and how the packed side is called. A start with
 it instead of measuring; any other key measures again. A checkpoint path is recorded, not keyed: two
 checkpoints of one architecture share the choice. The engine logs the choice in one line.
 
-Calibration copies at most CALIBRATION_BYTES of weights (twice: plain and packed): for a larger model it
-times the first layers up to that size, and an LM head above it is left unpacked.
+Calibration copies at most CALIBRATION_BYTES of the layers' weights (twice: plain and packed): for a
+larger model it times the first layers up to that size. It times the LM head too, which is packed only
+up to layers/linear.py's HEAD_MAX_BYTES.
 """
 
 from __future__ import annotations
 
 import datetime
+import fcntl
 import hashlib
 import json
 import math
@@ -111,14 +113,14 @@ def model_shapes(model: nn.Module) -> list[Shape]:
 
 def timed_shapes(shapes: Sequence[Shape], dtype: torch.dtype, budget: int = CALIBRATION_BYTES) -> list[Shape]:
     """What calibration times: the layers' linears in order up to `budget` bytes (at least the first), and
-    the LM head if it fits in `budget` by itself."""
+    the LM head (model_shapes gives it only where it is packed: up to HEAD_MAX_BYTES)."""
     out: list[Shape] = []
     used = 0
     for s in shapes:
         if not s.logits and (not out or used + s.nbytes(dtype) <= budget):
             out.append(s)
             used += s.nbytes(dtype)
-    return out + [s for s in shapes if s.logits and s.nbytes(dtype) <= budget]
+    return out + [s for s in shapes if s.logits]
 
 
 def cpu_identity(cpu: dict[str, Any]) -> dict[str, Any]:
@@ -149,7 +151,6 @@ def read_entry(path: Path) -> dict[str, Any] | None:
 
 
 def _write_entry(path: Path, entry: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as f:
         json.dump(entry, f, indent=1, sort_keys=True)
     os.replace(f.name, path)  # atomic: engines starting at once each install a whole file
@@ -183,21 +184,33 @@ def choose(requested: LinearBackend, model: nn.Module, dtype: torch.dtype, devic
         return Choice(LinearBackend.MKL, "unavailable", note="no linear layer to pack")
     key = cache_key(cpu, shapes, dtype, torch.get_num_threads(), through_op, huge_pages)
     path = cache_path(cache_dir, key)
-    entry = read_entry(path)
-    if entry is not None and entry.get("key") == key:
-        timings = {w: (float(m), float(o)) for w, (m, o) in entry["timings"].items()}
-        return Choice(LinearBackend(entry["backend"]), "cached", timings, str(path), when=entry.get("measured_at", ""))
-    start = time.perf_counter()
-    try:
-        timings = (measure or measure_backends)(shapes, dtype, through_op, huge_pages)
-    except RuntimeError as e:  # oneDNN cannot pack or multiply this dtype here
-        return Choice(LinearBackend.MKL, "unavailable", note=f"oneDNN failed: {str(e).strip().splitlines()[0]}")
-    seconds = time.perf_counter() - start
-    backend = decide(timings)
-    when = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-    _write_entry(path, {"key": key, "backend": backend.value, "timings": timings, "ratio": ratio(timings),
-                        "measured_at": when, "seconds": round(seconds, 2), "model": label})
+    if (cached := _cached(path, key)) is not None:
+        return cached
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "w") as lock:
+        # Instances starting together (kvpush up) measure once: the others wait, then read its choice.
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (cached := _cached(path, key)) is not None:
+            return cached
+        start = time.perf_counter()
+        try:
+            timings = (measure or measure_backends)(shapes, dtype, through_op, huge_pages)
+        except RuntimeError as e:  # oneDNN cannot pack or multiply this dtype here
+            return Choice(LinearBackend.MKL, "unavailable", note=f"oneDNN failed: {str(e).strip().splitlines()[0]}")
+        seconds = time.perf_counter() - start
+        backend = decide(timings)
+        when = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+        _write_entry(path, {"key": key, "backend": backend.value, "timings": timings, "ratio": ratio(timings),
+                            "measured_at": when, "seconds": round(seconds, 2), "model": label})
     return Choice(backend, "measured", timings, str(path), seconds, when)
+
+
+def _cached(path: Path, key: dict[str, Any]) -> Choice | None:
+    entry = read_entry(path)
+    if entry is None or entry.get("key") != key:
+        return None
+    timings = {w: (float(m), float(o)) for w, (m, o) in entry["timings"].items()}
+    return Choice(LinearBackend(entry["backend"]), "cached", timings, str(path), when=entry.get("measured_at", ""))
 
 
 def choose_for(config: EngineConfig, device: torch.device, cpu: dict[str, Any]) -> Choice:

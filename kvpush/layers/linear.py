@@ -34,6 +34,10 @@ from torch import nn
 # hint 16 5.74 / 7.34 / 144, hint 1 6.78 / 13.1 / 159 (as slow as MKL at 16 rows), hint 512 6.19 / 8.38 / 142.
 PACK_BATCH_HINT: int | None = None
 
+# An LM head larger than this stays plain: calibration (engine/linear_choice.py) would have to copy it twice to
+# time it, and it runs on the sampled rows only.
+HEAD_MAX_BYTES = 128 << 20
+
 _packed: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
 _handles = itertools.count()
 
@@ -87,13 +91,17 @@ class PackedLinear(nn.Module):
 
 def packable(model: nn.Module) -> Iterator[tuple[nn.Module, str, nn.Linear]]:
     """(parent, attribute, linear) for every nn.Linear the `onednn` backend packs, in forward order: all of
-    them except one whose weight another module shares (a tied LM head: the embedding reads it too)."""
+    them except one whose weight another module shares (a tied LM head: the embedding reads it too) and an
+    LM head (`lm_head`) of more than HEAD_MAX_BYTES."""
     counts: dict[int, int] = {}
     for _, p in model.named_parameters(remove_duplicate=False):
         counts[id(p)] = counts.get(id(p), 0) + 1
     for parent in model.modules():
         for name, child in parent.named_children():
-            if isinstance(child, nn.Linear) and counts.get(id(child.weight), 0) == 1:
+            if not isinstance(child, nn.Linear) or counts.get(id(child.weight), 0) != 1:
+                continue
+            w = child.weight
+            if name != "lm_head" or w.numel() * w.element_size() <= HEAD_MAX_BYTES:
                 yield parent, name, child
 
 
