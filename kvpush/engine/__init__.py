@@ -9,4 +9,5 @@
     kv_cache.py        the block-major KV buffer; native_memory.py: huge pages and heap trimming
     admission.py       when an instance sheds a request (429); prompt_check.py: prompt bounds
     llm.py             the offline `LLM`; device.py: --device
+    linear_choice.py   --linear-backend: MKL or oneDNN-packed linears, timed at start-up per CPU, cached
 """

@@ -10,12 +10,15 @@ a compiler turns it into one graph (`CausalLM.compiled_layers`) with the token c
 The final norm, the selection of the rows to sample and the LM head run eagerly after it, so the
 graph does not depend on how many rows are sampled.
 
-Linears are plain `nn.Linear` (MKL on CPU). Weights reordered once into oneDNN's blocked layout
-were measured side by side (bench preset, compiled, same process, alternating): a decode step
-took 4.37 ms plain vs 6.01 packed at batch 1, 5.05 vs 6.47 at 2, equal at 4 and 8, 17.09 vs 16.03
-at 16 and 26.83 vs 25.24 at 32; a 512-token prefill 101 vs 104 ms. Packing lost most where TPOT
-at low load is set and keeping both layouts would double the weights' memory, so weights stay
-as loaded.
+Linears are built as `nn.Linear` (MKL on a CPU). With `--linear-backend onednn` the loader replaces
+them by `PackedLinear` (layers/linear.py: each weight reordered once into oneDNN's blocked layout, in
+place of the loaded one); `auto`, the default, times both on the model's shapes at start-up and keeps
+the faster (engine/linear_choice.py), because the winner depends on the CPU. On an earlier machine (CPU
+not recorded; compiled, same process, alternating) packing lost where TPOT at low load is set: a decode
+step 4.37 ms plain vs 6.01 packed at batch 1, 5.05 vs 6.47 at 2, equal at 4 and 8, 17.09 vs 16.03 at
+16, a 512-token prefill 101 vs 104 ms. On an AMD EPYC (Zen 4, family 25 model 17) it won everywhere:
+docs/results/engine.md has the side-by-side run (`benchmarks/engine_ab.py --a linear=mkl --b
+linear=onednn`).
 """
 
 from __future__ import annotations
