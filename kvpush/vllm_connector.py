@@ -15,6 +15,7 @@ connector's options are ``kv_connector_extra_config`` (kvpush/vllm/config.py). T
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -47,7 +48,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 TESTED_VLLM = ("0.32.",)
-STATS_INTERVAL_S = 1.0  # the worker ships its counters at most this often (vLLM calls every step)
+STATS_INTERVAL_S = 1.0  # the worker ships its counters with each step that saw a transfer event, else this often
 if not vllm.__version__.startswith(TESTED_VLLM):
     raise ImportError(f"kvpush.vllm_connector is tested with vLLM {', '.join(v + 'x' for v in TESTED_VLLM)}; "
                       f"this is vLLM {vllm.__version__}")
@@ -96,6 +97,7 @@ class KVPushConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]
+        _log_into_vllm()
         ktc = self._kv_transfer_config
         self.options = ConnectorOptions.parse(ktc.kv_connector_extra_config)
         self.roles = self.options.roles(ktc.kv_role)
@@ -166,9 +168,9 @@ class KVPushConnector(KVConnectorBase_V1):
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         now = time.monotonic()
-        if self._worker is None or now - self._stats_at < STATS_INTERVAL_S:
+        if self._worker is None or not (self._worker.changed or now - self._stats_at >= STATS_INTERVAL_S):
             return None
-        self._stats_at = now
+        self._stats_at, self._worker.changed = now, False
         return KVPushStats(data={role: msgspec.to_builtins(s) for role, s in self.worker.stats().items()})
 
     def shutdown(self) -> None:
@@ -216,6 +218,16 @@ class KVPushConnector(KVConnectorBase_V1):
     def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type, type], labelnames: list[str],
                            per_engine_labelvalues: dict[int, list[object]]) -> KVConnectorPromMetrics | None:
         return KVPushPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)  # type: ignore[arg-type]
+
+
+def _log_into_vllm() -> None:
+    """kvpush's loggers (transfer thread, ledger, connector) write where vLLM's do, at vLLM's level."""
+    ours, theirs = logging.getLogger("kvpush"), logging.getLogger("vllm")
+    if not ours.handlers and theirs.handlers:
+        for handler in theirs.handlers:
+            ours.addHandler(handler)
+        ours.setLevel(theirs.getEffectiveLevel())
+        ours.propagate = False
 
 
 def _layer_index(name: str) -> tuple[int, str]:

@@ -267,7 +267,8 @@ class TransferLedger:
         now = self._now(now)
         with self._lock:
             due = [r for r in self._records.values() if not r.is_terminal and r.deadline <= now]
-            return [self._move(r, S.EXPIRED, now, FailureKind.DEADLINE, error="deadline passed") for r in due]
+            return [self._move(r, S.EXPIRED, now, FailureKind.DEADLINE, error=f"deadline passed ({r.state.value})")
+                    for r in due]
 
     def gc(self, now: float | None = None) -> list[str]:
         """Drop terminal records older than ``tombstone_s`` whose blocks are not quarantined."""

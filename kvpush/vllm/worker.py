@@ -38,7 +38,7 @@ from kvpush.vllm.config import ConnectorOptions
 from kvpush.vllm.meta import CancelJob, HoldJob, NotifyJob, RecvJob, StepMeta, WorkerReport
 from kvpush.vllm.scheduler import Address
 
-log = logging.getLogger("vllm.kvpush")
+log = logging.getLogger("kvpush.vllm")
 
 
 @dataclass(frozen=True)
@@ -69,6 +69,7 @@ class WorkerSide:
         self._holds: dict[str, str] = {}  # P transfer -> request
         self.fallbacks = 0  # D: requests computed locally (or failed) instead of receiving their KV
         self.block_size = 0
+        self.changed = False  # a transfer event since the counters were last shipped
 
     def start(self, layers: Sequence[torch.Tensor], shape: KVShape, model_id: str, kv_format: str) -> None:
         """Register vLLM's KV caches (one tensor per layer) and start a runtime per role."""
@@ -92,6 +93,8 @@ class WorkerSide:
 
     # ---- scheduler -> transfer threads -------------------------------------------------------
     def apply(self, meta: StepMeta) -> None:
+        if meta:
+            log.debug("step jobs: %s", meta)
         for job in meta.recv:
             self._recv(job)
         for hold in meta.hold:
@@ -139,6 +142,8 @@ class WorkerSide:
         self._wake.clear()
         for role, rt in self.runtimes.items():
             for event in rt.drain_events():
+                log.debug("%s event %s", role.value, event)
+                self.changed = True  # the counters moved: ship them with this step
                 if role is Role.PREFILL:
                     self._prefill_event(event, out)
                 else:
