@@ -5,6 +5,9 @@ weights; calibration's decision, cache and key on fake timings; the flag. No tes
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -220,6 +223,19 @@ def test_calibration_is_bounded_and_a_large_head_stays_plain():
     big = nn.Module()
     big.proj, big.lm_head = nn.Linear(8, 8, device="meta"), nn.Linear(1024, 40_000, device="meta")  # 164 MB head
     assert [s.logits for s in lc.model_shapes(big)] == [False]
+
+
+def test_calibration_leaves_inductor_its_cache_directory(tiny_model, tmp_path):
+    """Building the meta-device model for calibration imports inductor's config, which fixes its cache
+    directory at import: the engine must have named it first (config.apply_compile_environment)."""
+    code = ("import os, sys; from kvpush.config import *; from kvpush.engine.engine import LLMEngine; "
+            "e = LLMEngine(EngineConfig(ModelConfig(sys.argv[1]), CacheConfig(num_blocks=16), compile=CompileMode.OFF, "
+            "linear_backend=LinearBackend.AUTO)); print(e.linear_choice.source, os.environ['TORCHINDUCTOR_CACHE_DIR'])")
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    out = subprocess.run([sys.executable, "-c", code, tiny_model], env=env, capture_output=True, text=True,
+                         timeout=300, check=True).stdout.split()
+    assert out == ["measured", str(tmp_path / "kvpush" / "inductor")]
 
 
 def test_env_reports_the_cached_choice(tiny_model, tmp_path, monkeypatch):

@@ -19,7 +19,12 @@ import msgspec
 import torch
 
 from kvpush.bench import machine
-from kvpush.config import EngineConfig, SchedulerConfig, apply_native_cache_environment
+from kvpush.config import (
+    EngineConfig,
+    SchedulerConfig,
+    apply_compile_environment,
+    apply_native_cache_environment,
+)
 from kvpush.engine.block_manager import BlockManager
 from kvpush.engine.device import resolve_device
 from kvpush.engine.kv_cache import KVCache, KVLayout
@@ -57,6 +62,9 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, connector: KVConnector | None = None) -> None:
         self.config = config
         apply_native_cache_environment()  # before the first oneDNN operation
+        # Before anything imports inductor's config, which fixes its cache directory at import (building the
+        # meta-device model whose shapes the linear backend's calibration times does).
+        apply_compile_environment()
         torch.set_num_threads(config.torch_threads)
         self.device = resolve_device(config.model.device)  # DeviceError: e.g. cuda on a machine without
         self.linear_choice: Choice = choose_for(config, self.device, machine.cpu())  # --linear-backend: calibrated or cached

@@ -214,14 +214,17 @@ def _cached(path: Path, key: dict[str, Any]) -> Choice | None:
 
 
 def choose_for(config: EngineConfig, device: torch.device, cpu: dict[str, Any]) -> Choice:
-    """choose() for an engine about to load `config`'s model (its shapes from a meta-device copy) on a CPU
-    of bench/machine.py's cpu() facts."""
+    """choose() for an engine about to load `config`'s model on a CPU of bench/machine.py's cpu() facts.
+    The shapes come from a meta-device copy of the model, built only where they are needed (building it
+    imports torch._dynamo: call config.apply_compile_environment() first)."""
     from kvpush.models.decoder import CausalLM
     from kvpush.models.loader import load_arch_config, resolve_dtype
 
     arch = load_arch_config(config.model.model)
-    with torch.device("meta"):
-        shapes = CausalLM(arch, 1)
+    shapes = nn.Module()
+    if config.linear_backend is LinearBackend.AUTO and device.type == "cpu":
+        with torch.device("meta"):
+            shapes = CausalLM(arch, 1)
     return choose(config.linear_backend, shapes, resolve_dtype(config.model.dtype, arch), device, cpu=cpu,
                   cache_dir=linear_cache_dir(), through_op=config.compile is not CompileMode.OFF,
                   huge_pages=config.model.huge_pages, label=config.model.model)
