@@ -263,3 +263,43 @@ def test_worker_failure_reports_failed_and_releases_blocks_only_after_quarantine
     if "d-req" not in got["released"]:
         got = until(d, "released", "d-req")
     assert d.stats()["decode"].local_fallbacks == 1 and not dst[0].any()
+
+
+def test_a_second_live_prefill_leg_with_the_same_transfer_is_refused():
+    s = side()
+    leg = prefill_leg()
+    first, second = FakeRequest("p1", leg), FakeRequest("p2", dict(leg))
+    s.on_new_request(first)
+    s.on_new_request(second)  # its Hold would take over the first's transfer: computed without one
+    assert "p2" not in s.states and s.counters.invalid_params == 1
+    first.output_token_ids, first.status = [1], Status.FINISHED_STOPPED
+    assert s.finished(first, [1, 2, 3])[0]
+    s.on_output({"p1"}, None, None)
+    third = FakeRequest("p3", dict(leg))  # the transfer ended: its id is free again
+    s.on_new_request(third)
+    assert "p3" in s.states
+
+
+def test_a_stale_free_of_another_transfer_does_not_end_a_quarantine(pair):
+    from kvpush.transfer.events import FreeBlocks, KVFailed
+    from kvpush.vllm.worker import Results
+
+    _, d, _, _ = pair
+    d._receiving["r"] = ("t-failed", (4, 5))
+    out = Results()
+    d._decode_event(KVFailed("t-failed", "r", "test"), out)
+    d._decode_event(FreeBlocks([4, 5], "t-earlier"), out)  # an earlier transfer's late word on these blocks
+    assert "r" in out.failed_recving and not out.report.released
+    d._decode_event(FreeBlocks([4, 5]), out)  # the quarantine's release
+    assert out.report.released == {"r"}
+
+
+def test_a_dead_transfer_thread_stops_vllm_with_the_reason(pair):
+    from kvpush.errors import TransferError
+
+    p, _, _, _ = pair
+    rt = p.runtimes[Role.PREFILL]
+    rt.thread.stop()
+    rt.thread.join(10)
+    with pytest.raises(TransferError, match="prefill transfer thread died"):
+        p.results(None)

@@ -70,13 +70,13 @@ class DecodeSide:
         elif rec is not None and rec.state is TransferState.DONE:
             # The KV landed, but D's request ended before the engine applied KVReady: the engine took
             # these blocks out of the request when it sent Cancel, so they come back from here.
-            self.posted.emit(FreeBlocks(list(rec.local_block_ids)))
+            self.posted.emit(FreeBlocks(list(rec.local_block_ids), rec.transfer_id))
 
     def lost(self, cmd: object, reason: str) -> None:
         """A Register / Read failed before its record existed: the request fails, its blocks are free."""
         if isinstance(cmd, Register | Read):
             self.posted.emit(KVFailed(cmd.transfer_id, cmd.request_id, reason))
-            self.posted.emit(FreeBlocks(list(cmd.block_ids)))
+            self.posted.emit(FreeBlocks(list(cmd.block_ids), cmd.transfer_id))
 
     # ---- messages from P -------------------------------------------------------------------
     def on_message(self, msg: pr.Message, engine_id: str) -> None:

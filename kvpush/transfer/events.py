@@ -7,8 +7,9 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class FreeBlocks:
-    """These blocks of ours are no longer held by a transfer: back to the block manager. P names the
-    transfer (its held blocks may be shared by several: prefix-cached); D's blocks belong to one each."""
+    """These blocks of ours are no longer held by a transfer: back to the block manager. The transfer is
+    named where one transfer's blocks come back (P's held blocks may be shared by several: prefix-cached);
+    D's quarantine releases blocks of several transfers at once, unnamed (each block belongs to one)."""
 
     block_ids: list[int]
     transfer_id: str | None = None

@@ -78,7 +78,8 @@ class SchedulerSide:
     addresses: dict[Role, Address] = field(default_factory=dict)
     states: dict[str, legs.Leg | _Decode | legs.InfoQuery] = field(default_factory=dict)
     held: dict[str, list[Any]] = field(default_factory=dict)  # D request -> blocks we hold a reference on
-    sending: set[str] = field(default_factory=set)  # P requests whose blocks vLLM keeps for a transfer
+    sending: dict[str, str] = field(default_factory=dict)  # P request whose blocks vLLM keeps -> its transfer
+    prefill_ids: set[str] = field(default_factory=set)  # transfer ids of P's live legs (one request each)
     counters: Counters = field(default_factory=Counters)
     _meta: StepMeta = field(default_factory=StepMeta)
 
@@ -92,8 +93,14 @@ class SchedulerSide:
             return
         if isinstance(parsed, legs.Leg) and parsed.role is Role.DECODE:
             self.states[request.request_id] = _Decode(parsed, time.time() + self.options.kv_timeout_s)
+        elif isinstance(parsed, legs.Leg) and parsed.params.transfer_id in self.prefill_ids:
+            self.counters.invalid_params += 1
+            log.error("request %s: transfer %s belongs to another live prefill leg; it is computed here without "
+                      "a transfer", request.request_id, parsed.params.transfer_id)
         elif parsed is not None:
             self.states[request.request_id] = parsed
+            if isinstance(parsed, legs.Leg):
+                self.prefill_ids.add(parsed.params.transfer_id)
 
     def matched(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         st = self.states.get(request.request_id)
@@ -117,14 +124,12 @@ class SchedulerSide:
             self._meta.notify.append(NotifyJob(st.params, release=not late, fallback=late))
             return
         group = list(blocks.blocks[0])
-        local = 0  # blocks of D's own prefix cache (hashed) come first
-        while local < len(group) and group[local].block_hash is not None and not group[local].is_null:
-            local += 1
         n = request.num_prompt_tokens
+        local, partial = divmod(n - num_external_tokens, self.block_size)  # D's prefix-cache blocks come first
         transfer = group[local: -(-n // self.block_size)]
-        if num_external_tokens != n - local * self.block_size:
-            log.warning("request %s: vLLM loads %d tokens, the blocks say %d", request.request_id,
-                        num_external_tokens, n - local * self.block_size)
+        if partial or any(b.block_hash is not None or b.is_null for b in transfer):
+            log.error("request %s: vLLM loads %d of %d tokens into blocks that are not all fresh; the transfer "
+                      "goes on, but report this", request.request_id, num_external_tokens, n)
         self.pool.touch(transfer)
         self.held[request.request_id] = transfer
         st.receiving = True
@@ -152,6 +157,7 @@ class SchedulerSide:
         n = request.num_prompt_tokens
         blocks = tuple(block_ids[: -(-n // self.block_size)])
         if request.status.name not in STOPPED or not request.output_token_ids or not blocks:
+            self.prefill_ids.discard(params.transfer_id)
             self._meta.cancel.append(CancelJob(Role.PREFILL.value, params.transfer_id,
                                                f"prefill {request.status.name.lower()}", params.decode_engine_id))
             return False, None
@@ -159,7 +165,7 @@ class SchedulerSide:
         lease = time.time() + self.options.kv_lease_s
         first = int(request.output_token_ids[0])
         self._meta.hold.append(HoldJob(request.request_id, params, blocks, n, first, lease))
-        self.sending.add(request.request_id)
+        self.sending[request.request_id] = params.transfer_id
         self.counters.held_prefills += 1
         pull = params.mode is KVMode.PULL
         result = kp.PrefillResult(transfer_id=params.transfer_id, mode=params.mode,
@@ -184,7 +190,8 @@ class SchedulerSide:
 
     def on_output(self, finished_sending: set[str] | None, finished_recving: set[str] | None,
                   report: WorkerReport | None) -> None:
-        self.sending.difference_update(finished_sending or ())
+        for request_id in finished_sending or ():
+            self.prefill_ids.discard(self.sending.pop(request_id, ""))
         for request_id in finished_recving or ():
             st = self.states.get(request_id)
             if isinstance(st, _Decode):

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from kvpush.config import Role, apply_ucx_environment
+from kvpush.errors import TransferError
 from kvpush.transfer import protocol as pr
 from kvpush.transfer.commands import Cancel, Hold, PeerAddr, Read, Register, SendNotif
 from kvpush.transfer.events import FreeBlocks, KVFailed, KVReady
@@ -63,8 +64,8 @@ class WorkerSide:
         self.roles = roles
         self.runtimes: dict[Role, TransferRuntime] = {}
         self._wake = threading.Event()
-        self._receiving: dict[str, tuple[int, ...]] = {}  # D request -> its transfer blocks (outcome awaited)
-        self._quarantined: dict[int, str] = {}  # D block -> failed request whose blocks are not all back
+        self._receiving: dict[str, tuple[str, tuple[int, ...]]] = {}  # D request -> (transfer, blocks): awaited
+        self._quarantined: dict[int, tuple[str, str]] = {}  # D block -> (request, transfer) failed, not all back
         self._unreleased: dict[str, set[int]] = {}
         self._holds: dict[str, str] = {}  # P transfer -> request
         self.fallbacks = 0  # D: requests computed locally (or failed) instead of receiving their KV
@@ -107,7 +108,7 @@ class WorkerSide:
     def _recv(self, job: RecvJob) -> None:
         p, rt = job.leg, self.runtimes[Role.DECODE]
         peer = PeerAddr(p.prefill_engine_id, p.prefill_kv_host, p.prefill_kv_port)
-        self._receiving[job.request_id] = job.block_ids
+        self._receiving[job.request_id] = (p.transfer_id, job.block_ids)
         if p.mode.is_push:
             rt.thread.submit(Register(p.transfer_id, job.request_id, peer, job.block_ids, job.num_prefix_tokens,
                                       job.num_tokens, job.deadline))
@@ -136,6 +137,9 @@ class WorkerSide:
 
     # ---- transfer threads -> vLLM ------------------------------------------------------------
     def results(self, meta: StepMeta | None) -> Results:
+        for role, rt in self.runtimes.items():
+            if not rt.thread.is_alive():  # its transfers would wait forever: stop vLLM with the reason
+                raise TransferError(f"kvpush's {role.value} transfer thread died; see the log above")
         out = Results()
         if meta is not None and meta.idle and meta.waiting and not self._has_events():
             self._wake.wait(self.options.idle_wait_ms / 1000)
@@ -165,23 +169,25 @@ class WorkerSide:
             out.finished_recving.add(event.request_id)
             out.report.released.add(event.request_id)
         elif isinstance(event, KVFailed) and event.request_id in self._receiving:
-            blocks = self._receiving.pop(event.request_id)
+            transfer_id, blocks = self._receiving.pop(event.request_id)
             log.warning("request %s: KV from prefill did not arrive (%s); %s", event.request_id, event.reason,
                         "recomputed here" if self.options.on_kv_failure.value == "recompute" else "failed")
             self.fallbacks += 1
             out.finished_recving.add(event.request_id)
             out.failed_recving.add(event.request_id)
             self._unreleased[event.request_id] = set(blocks)
-            self._quarantined.update(dict.fromkeys(blocks, event.request_id))
+            self._quarantined.update(dict.fromkeys(blocks, (event.request_id, transfer_id)))
         elif isinstance(event, FreeBlocks):
             for block in event.block_ids:
-                request_id = self._quarantined.pop(block, None)
-                left = self._unreleased.get(request_id or "")
-                if left is not None:
-                    left.discard(block)
-                    if not left:
-                        del self._unreleased[request_id or ""]
-                        out.report.released.add(request_id or "")
+                owner = self._quarantined.get(block)
+                if owner is None or event.transfer_id not in (None, owner[1]):
+                    continue  # not a failed transfer's block, or another transfer's word on it
+                del self._quarantined[block]
+                left = self._unreleased[owner[0]]
+                left.discard(block)
+                if not left:
+                    del self._unreleased[owner[0]]
+                    out.report.released.add(owner[0])
 
     # ---- the rest ----------------------------------------------------------------------------
     def stats(self) -> dict[str, TransferStats]:
