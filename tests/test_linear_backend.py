@@ -88,6 +88,18 @@ def test_onednn_compiled_equals_eager_and_plain(tiny_model, reference):
     assert (ours_logits(eng, tokens) - ours_logits(eager, tokens)).abs().max().item() < ATOL["cpu"]
 
 
+def test_handles_do_not_depend_on_calibration(tiny_model):
+    """Compiled graphs hold the op's handles as constants (inductor's cache key): a model packed after a
+    calibration gets the handles it would get without one."""
+    def handles() -> list[int]:
+        return [m.handle for m in linear_modules(backend_engine(tiny_model, "onednn").model)
+                if isinstance(m, PackedLinear)]
+
+    before = handles()
+    lc.measure_backends(lc.model_shapes(meta_model(tiny_model)), torch.float32, True, False)
+    assert handles() == before
+
+
 def test_packing_keeps_one_copy_of_the_weights(tiny_model):
     plain, packed = backend_engine(tiny_model, "mkl"), backend_engine(tiny_model, "onednn")
     linears = [m for m in linear_modules(plain.model) if isinstance(m, nn.Linear)]

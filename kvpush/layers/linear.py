@@ -39,7 +39,13 @@ PACK_BATCH_HINT: int | None = None
 HEAD_MAX_BYTES = 128 << 20
 
 _packed: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
-_handles = itertools.count()
+
+
+def _free_handle() -> int:
+    """The smallest handle no live packed weight holds. A compiled graph holds its handles as constants, so
+    they are part of inductor's cache key: a model loaded after calibration's packed weights are gone gets
+    the handles it gets without calibration, and its graphs come from the same cache entries."""
+    return next(h for h in itertools.count() if h not in _packed)
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -77,7 +83,7 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.packed = pack_weight(linear.weight)  # not a parameter: opaque, and out of .to() / state_dict
         self.bias = linear.bias
-        self.handle = next(_handles)
+        self.handle = _free_handle()
         _packed[self.handle] = self.packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
