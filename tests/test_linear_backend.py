@@ -25,7 +25,7 @@ from kvpush.engine.engine import LLMEngine
 from kvpush.engine.llm import build_engine_config
 from kvpush.errors import DeviceError
 from kvpush.flags import engine_config_from_args
-from kvpush.layers.linear import PackedLinear, linear_modules
+from kvpush.layers.linear import PackedLinear, linear_modules, residual_linear
 from kvpush.models.arch import load_arch_config
 from kvpush.models.decoder import CausalLM
 
@@ -115,9 +115,13 @@ def test_packed_linear_with_bias_and_batch_dims():
     torch.manual_seed(0)
     linear = nn.Linear(48, 80)
     x = torch.randn(2, 5, 48)
+    residual = torch.randn(2, 5, 80)
     with torch.no_grad():
         expected = linear(x)
-        assert (PackedLinear(linear)(x) - expected).abs().max().item() < 1e-5
+        packed = PackedLinear(linear)
+        assert (packed(x) - expected).abs().max().item() < 1e-5
+        assert (residual_linear(packed, x, residual) - (residual + expected)).abs().max().item() < 1e-5
+        assert torch.equal(residual_linear(linear, x, residual), residual + expected)
 
 
 # ---- the choice ------------------------------------------------------------------------------------

@@ -253,7 +253,7 @@ def measure_backends(shapes: Sequence[Shape], dtype: torch.dtype, through_op: bo
 
     def onednn(x: torch.Tensor, m: L.PackedLinear) -> torch.Tensor:
         if through_op:
-            return torch.ops.kvpush.onednn_linear(x, m.bias, m.handle, m.out_features)
+            return torch.ops.kvpush.onednn_linear(x, m.bias, None, m.handle, m.out_features)
         return m(x)
 
     out: Timings = {}

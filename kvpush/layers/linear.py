@@ -13,7 +13,7 @@ the choice at start-up, not a fixed one.
 Under torch.compile a packed weight cannot be a graph input: inductor's lowering of
 `mkldnn._linear_pointwise` asserts on an opaque oneDNN tensor it did not pack itself (its freezing
 pass does that, with a copy of the weights). So a compiled forward calls one opaque op per linear,
-`kvpush::onednn_linear(x, bias, handle, out_features)`, and the op finds the packed weight by its
+`kvpush::onednn_linear(x, bias, residual, handle, out_features)`, and the op finds the packed weight by its
 handle in this module's registry (as `kvpush::paged_attention` finds its cache in a context). Eagerly
 the module calls oneDNN directly. The op's own cost is in what calibration times (it times the packed
 side through the op when the model compiles).
@@ -53,24 +53,30 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH_HINT)
 
 
-def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [..., in] @ packed.T + bias -> [..., out], by oneDNN."""
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                  residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., in] @ packed.T + bias (+ residual [..., out], added in the same oneDNN call) -> [..., out]."""
     if x.dim() != 2:
-        return onednn_linear(x.reshape(-1, x.shape[-1]), packed, bias).view(*x.shape[:-1], -1)
+        res = None if residual is None else residual.reshape(-1, residual.shape[-1])
+        return onednn_linear(x.reshape(-1, x.shape[-1]), packed, bias, res).view(*x.shape[:-1], -1)
+    if residual is not None:
+        return torch.ops.mkldnn._linear_pointwise.binary(x.contiguous(), residual.contiguous(), packed, bias, "add")
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
 
 
-def _op(x: torch.Tensor, bias: torch.Tensor | None, handle: int, out_features: int) -> torch.Tensor:
-    return onednn_linear(x, _packed[handle], bias)
+def _op(x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None, handle: int,
+        out_features: int) -> torch.Tensor:
+    return onednn_linear(x, _packed[handle], bias, residual)
 
 
-def _op_meta(x: torch.Tensor, bias: torch.Tensor | None, handle: int, out_features: int) -> torch.Tensor:
+def _op_meta(x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None, handle: int,
+             out_features: int) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], out_features))
 
 
 # The low-level torch.library API, as for kvpush::paged_attention (less Python wrapping per call).
 _lib = torch.library.Library("kvpush", "FRAGMENT")
-_lib.define("onednn_linear(Tensor x, Tensor? bias, int handle, int out_features) -> Tensor")
+_lib.define("onednn_linear(Tensor x, Tensor? bias, Tensor? residual, int handle, int out_features) -> Tensor")
 _lib.impl("onednn_linear", _op, "CPU")
 _lib.impl("onednn_linear", _op_meta, "Meta")
 
@@ -86,13 +92,24 @@ class PackedLinear(nn.Module):
         self.handle = _free_handle()
         _packed[self.handle] = self.packed
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ W.T + bias (+ residual)."""
         if torch.compiler.is_compiling():
-            return torch.ops.kvpush.onednn_linear(x, self.bias, self.handle, self.out_features)
-        return onednn_linear(x, self.packed, self.bias)
+            return torch.ops.kvpush.onednn_linear(x, self.bias, residual, self.handle, self.out_features)
+        return onednn_linear(x, self.packed, self.bias, residual)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, onednn"
+
+
+def residual_linear(linear: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """residual + linear(x): a packed linear adds the residual in its oneDNN call. Under torch.compile that
+    keeps the residual stream a materialised output of the opaque op; added outside it, inductor recomputed
+    the stream from the embedding in each layer's fused kernels (twice the kernels to compile, and more work
+    per step). A plain linear's sum compiles to addmm, as it always did."""
+    if isinstance(linear, PackedLinear):
+        return linear(x, residual)
+    return residual + linear(x)
 
 
 def packable(model: nn.Module) -> Iterator[tuple[nn.Module, str, nn.Linear]]:

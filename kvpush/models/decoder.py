@@ -32,6 +32,7 @@ from torch import nn
 
 from kvpush.engine.kv_cache import KVCache
 from kvpush.layers.attention import AttentionMetadata, attend, forward_context
+from kvpush.layers.linear import residual_linear
 from kvpush.layers.norm import RMSNorm
 from kvpush.layers.rotary import RotaryEmbedding, apply_rotary
 from kvpush.models.arch import ArchConfig
@@ -58,9 +59,13 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def act(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, hidden] -> silu(gate) * up [T, intermediate], the input of down_proj."""
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return F.silu(gate) * up
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(x))
 
 
 class DecoderLayer(nn.Module):
@@ -88,8 +93,8 @@ def attention_input(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin
 
 def attention_output(layer: DecoderLayer, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
     """x: [T, hidden] the layer's input, o: [T, H, hd] attention output -> the layer's output [T, hidden]."""
-    x = x + layer.self_attn.o_proj(o.reshape(x.shape[0], -1))
-    return x + layer.mlp(layer.post_attention_layernorm(x))
+    x = residual_linear(layer.self_attn.o_proj, o.reshape(x.shape[0], -1), x)
+    return residual_linear(layer.mlp.down_proj, layer.mlp.act(layer.post_attention_layernorm(x)), x)
 
 
 def decoder_layers(model: CausalLM, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
