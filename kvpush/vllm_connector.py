@@ -33,9 +33,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 from kvpush.config import OnKVFailure, Role
+from kvpush.protocol.vllm_params import KVAddress
 from kvpush.vllm.config import ConnectorConfigError, ConnectorOptions
 from kvpush.vllm.meta import StepMeta, WorkerReport
-from kvpush.vllm.scheduler import Address, SchedulerSide
+from kvpush.vllm.scheduler import SchedulerSide
 from kvpush.vllm.worker import KVShape, WorkerSide
 
 if TYPE_CHECKING:
@@ -70,7 +71,7 @@ class KVPushWorkerMetadata(KVConnectorWorkerMetadata):
 
 @dataclass
 class KVPushHandshakeMetadata(KVConnectorHandshakeMetadata):
-    addresses: dict[Role, Address] = field(default_factory=dict)
+    addresses: dict[Role, KVAddress] = field(default_factory=dict)
 
 
 class KVPushConnector(KVConnectorBase_V1):

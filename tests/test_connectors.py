@@ -35,7 +35,8 @@ class Runtime:
 
     def __init__(self, role: Role, mode: KVMode) -> None:
         self.role, self.mode = role, mode
-        self.engine_id, self.kv_address = f"{role.value}-0", "127.0.0.1:7000"
+        self.engine_id, self.kv_host, self.kv_port = f"{role.value}-0", "127.0.0.1", 7000
+        self.kv_address = f"{self.kv_host}:{self.kv_port}"
         self.submitted: list[Any] = []
         self.thread = SimpleNamespace(submit=self.submitted.append)
         self.events: queue.SimpleQueue = queue.SimpleQueue()

@@ -22,6 +22,7 @@ from vllm_peer import START_S, connector_config, metric_sum, vllm_server
 from kvpush.config import KVMode
 from kvpush.launcher.launch import ServerProcess, free_port
 from kvpush.protocol import kv_params as kp
+from kvpush.protocol.vllm_params import INFO_QUERY
 
 pytestmark = pytest.mark.integration
 TIMEOUT_S = 5.0  # D's KV deadline (kv_timeout_s): the fault tests wait for it
@@ -127,7 +128,7 @@ def test_prefix_hits_on_d_partly_and_wholly(vllm_pd, mode):
 
 def p_address(p_url: str) -> dict:
     _, out = post(p_url + "/v1/completions", {"model": "bench", "prompt": [0], "max_tokens": 1,
-                                               "kv_transfer_params": {"kvpush": "kv_info"}})
+                                               "kv_transfer_params": INFO_QUERY})
     return out["kv_transfer_params"]["roles"]["prefill"]
 
 

@@ -14,10 +14,10 @@ import torch
 
 from kvpush.config import KVMode, Role
 from kvpush.protocol import kv_params as kp
+from kvpush.protocol.vllm_params import INFO_QUERY, KVAddress
 from kvpush.vllm.config import ConnectorConfigError, ConnectorOptions
-from kvpush.vllm.legs import INFO_QUERY
 from kvpush.vllm.meta import HoldJob, RecvJob, StepMeta
-from kvpush.vllm.scheduler import Address, SchedulerSide
+from kvpush.vllm.scheduler import SchedulerSide
 from kvpush.vllm.worker import KVShape, WorkerSide
 
 BS = 4  # tokens per block
@@ -64,7 +64,7 @@ class FakePool:
 
 def side(mode=KVMode.PUSH, roles=(Role.PREFILL, Role.DECODE), **options) -> SchedulerSide:
     s = SchedulerSide(ConnectorOptions(mode=mode, **options), roles, BS, pool=FakePool())
-    s.addresses[Role.PREFILL] = Address("prefill-x", "127.0.0.1", 4242)
+    s.addresses[Role.PREFILL] = KVAddress("prefill-x", "127.0.0.1", 4242)
     return s
 
 

@@ -17,6 +17,10 @@ kvpush's own leg parameters carry a ``type`` tag, vLLM's never do (``is_vllm_sha
 InvalidRequestError naming the field. ``remote_request_id`` is kvpush's transfer id;
 ``kvpush_lease_expiry`` (an extra field that routers pass through untouched) lets a pull D refuse
 parameters whose blocks P no longer holds.
+
+A vLLM instance running kvpush's connector has no /v1/kv_info: kvpush's proxy sends it a one-token
+completion whose ``kv_transfer_params`` are ``INFO_QUERY``, and the connector answers ``ConnectorInfo``
+(at the top level of the response, as P's answer).
 """
 
 from __future__ import annotations
@@ -25,12 +29,32 @@ import math
 import time
 from typing import Any, TypeGuard
 
+import msgspec
+
 from kvpush.config import FirstToken, KVMode
 from kvpush.errors import InvalidRequestError, ProtocolError
 from kvpush.protocol import kv_params as kp
 
 FLAGS = ("do_remote_decode", "do_remote_prefill")
 PARAM = "kv_transfer_params"
+INFO_QUERY = {"kvpush": "kv_info"}
+
+
+class KVAddress(msgspec.Struct, frozen=True):
+    """Where one role's transfer runtime of a vLLM instance listens."""
+
+    engine_id: str
+    kv_host: str
+    kv_port: int
+
+
+class ConnectorInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """The connector's answer to INFO_QUERY: its mode, block size and each role's address."""
+
+    kv_mode: str
+    block_size: int
+    roles: dict[str, KVAddress]
+    kvpush: str = "kv_info"
 
 
 def is_vllm_shaped(kv: object) -> TypeGuard[dict]:

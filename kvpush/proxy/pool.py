@@ -5,8 +5,8 @@ role and --kv-mode is healthy; a new engine id means it restarted (it rejoins, w
 `draining` one is not chosen until it says otherwise; one that does not answer is skipped until it does.
 
 A vLLM instance with kvpush's connector (kvpush.vllm_connector) has no /v1/kv_info (404): the proxy asks
-its connector instead, with a one-token completion whose kv_transfer_params are the InfoQuery
-(kvpush/vllm/legs.py); the answer names each role's engine id and KV side channel. That is asked when
+its connector instead, with a one-token completion whose kv_transfer_params are INFO_QUERY
+(protocol/vllm_params.py); the answer (ConnectorInfo) names each role's engine id and KV side channel. That is asked when
 the instance is first seen and whenever it answers again after it did not (a restart); in between, GET
 /health is its probe.
 """
@@ -26,8 +26,7 @@ from aiohttp import web
 
 from kvpush.config import ProxyConfig
 from kvpush.protocol.kv_params import KVInfo
-
-INFO_QUERY = {"kvpush": "kv_info"}  # kvpush/vllm/legs.py's (the proxy imports nothing of the connector)
+from kvpush.protocol.vllm_params import INFO_QUERY, ConnectorInfo
 
 log = logging.getLogger("kvpush.proxy")
 _kv_info_decoder = msgspec.json.Decoder(KVInfo)
@@ -134,16 +133,19 @@ class InstancePool:
             model = (await r.json())["data"][0]["id"]
         body = {"model": model, "prompt": [0], "max_tokens": 1, "kv_transfer_params": INFO_QUERY}
         async with self.session.post(inst.url + "/v1/completions", json=body, timeout=timeout) as r:
-            answer = (await r.json()).get("kv_transfer_params") or {}
-        role = (answer.get("roles") or {}).get(inst.role)
-        if answer.get("kvpush") != "kv_info" or role is None:
+            answer = (await r.json()).get("kv_transfer_params")
+        try:
+            info = msgspec.convert(answer, ConnectorInfo)
+        except msgspec.ValidationError:
+            info = None
+        role = info.roles.get(inst.role) if info is not None and info.kvpush == "kv_info" else None
+        if info is None or role is None:
             if not inst.vllm:
                 log.warning("%s has no /v1/kv_info and no kvpush connector taking %s legs", inst.url, inst.role)
             return None
         inst.vllm = True
-        return KVInfo(engine_id=role["engine_id"], role=inst.role, kv_mode=answer["kv_mode"],
-                      kv_host=role["kv_host"], kv_port=int(role["kv_port"]), block_size=int(answer["block_size"]),
-                      max_model_len=0)
+        return KVInfo(engine_id=role.engine_id, role=inst.role, kv_mode=info.kv_mode, kv_host=role.kv_host,
+                      kv_port=role.kv_port, block_size=info.block_size, max_model_len=0)
 
     def restarted(self, inst: Instance) -> None:
         """The instance came back with a new engine id (a hook for the proxy)."""

@@ -37,8 +37,7 @@ class PrefillState:
 class PrefillConnector(RuntimeConnector):
     def __init__(self, runtime: TransferRuntime, config: TransferConfig) -> None:
         super().__init__(runtime, config)
-        self.host, port = runtime.kv_address.rsplit(":", 1)
-        self.port = int(port)
+        self.host, self.port = runtime.kv_host, runtime.kv_port
 
     def on_add(self, request: Request, params: RequestLegParams | None) -> None:
         leg = self.leg(params, PrefillLegParams)

@@ -95,7 +95,15 @@ class TransferRuntime:
     @property
     def kv_address(self) -> str:
         """host:port that peers connect to (published by /v1/kv_info)."""
-        return f"{self._advertised_host()}:{self.side_channel.port}"
+        return f"{self.kv_host}:{self.kv_port}"
+
+    @property
+    def kv_host(self) -> str:
+        return self._advertised_host()
+
+    @property
+    def kv_port(self) -> int:
+        return self.side_channel.port
 
     def _advertised_host(self) -> str:
         """Where peers reach this instance's side channel and doorbell."""

@@ -23,9 +23,7 @@ import msgspec
 from kvpush.config import KVMode, Role
 from kvpush.errors import InvalidRequestError, ProtocolError
 from kvpush.protocol import kv_params as kp
-from kvpush.protocol.vllm_params import flag, is_vllm_shaped, translate_request
-
-INFO_QUERY = {"kvpush": "kv_info"}
+from kvpush.protocol.vllm_params import INFO_QUERY, flag, is_vllm_shaped, translate_request
 
 
 @dataclass(frozen=True)

@@ -27,25 +27,18 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from kvpush.config import KVMode, Role
 from kvpush.errors import InvalidRequestError
 from kvpush.protocol import kv_params as kp
-from kvpush.protocol.vllm_params import prefill_result
+from kvpush.protocol.vllm_params import ConnectorInfo, KVAddress, prefill_result
 from kvpush.vllm import legs
 from kvpush.vllm.config import ConnectorOptions
 from kvpush.vllm.meta import CancelJob, HoldJob, NotifyJob, RecvJob, StepMeta, WorkerReport
 
 log = logging.getLogger("kvpush.vllm")
 STOPPED = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")  # vLLM's RequestStatus names of a normal end
-
-
-@dataclass(frozen=True)
-class Address:
-    """Where one role's transfer runtime listens (the worker's handshake metadata)."""
-
-    engine_id: str
-    kv_host: str
-    kv_port: int
 
 
 @dataclass
@@ -75,7 +68,7 @@ class SchedulerSide:
     roles: tuple[Role, ...]
     block_size: int
     pool: Any = None  # vLLM's BlockPool (touch / free_blocks), bound after construction
-    addresses: dict[Role, Address] = field(default_factory=dict)
+    addresses: dict[Role, KVAddress] = field(default_factory=dict)  # the worker's handshake metadata
     states: dict[str, legs.Leg | _Decode | legs.InfoQuery] = field(default_factory=dict)
     held: dict[str, list[Any]] = field(default_factory=dict)  # D request -> blocks we hold a reference on
     sending: dict[str, str] = field(default_factory=dict)  # P request whose blocks vLLM keeps -> its transfer
@@ -177,9 +170,10 @@ class SchedulerSide:
 
     def info(self) -> dict[str, Any]:
         """The answer to an InfoQuery (the proxy's discovery of a vLLM instance)."""
-        return {"kvpush": "kv_info", "kv_mode": self.options.mode.value, "block_size": self.block_size,
-                "roles": {role.value: {"engine_id": a.engine_id, "kv_host": a.kv_host, "kv_port": a.kv_port}
-                          for role, a in self.addresses.items()}}
+        info = ConnectorInfo(kv_mode=self.options.mode.value, block_size=self.block_size,
+                             roles={role.value: a for role, a in self.addresses.items()})
+        out: dict[str, Any] = msgspec.to_builtins(info)
+        return out
 
     # ---- steps -------------------------------------------------------------------------------
     def build_meta(self, num_scheduled_tokens: int) -> StepMeta:

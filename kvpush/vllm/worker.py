@@ -30,6 +30,7 @@ import torch
 
 from kvpush.config import Role, apply_ucx_environment
 from kvpush.errors import TransferError
+from kvpush.protocol.vllm_params import KVAddress
 from kvpush.transfer import protocol as pr
 from kvpush.transfer.commands import Cancel, Hold, PeerAddr, Read, Register, SendNotif
 from kvpush.transfer.events import FreeBlocks, KVFailed, KVReady
@@ -37,7 +38,6 @@ from kvpush.transfer.runtime import TransferRuntime
 from kvpush.transfer.stats import TransferStats
 from kvpush.vllm.config import ConnectorOptions
 from kvpush.vllm.meta import CancelJob, HoldJob, NotifyJob, RecvJob, StepMeta, WorkerReport
-from kvpush.vllm.scheduler import Address
 
 log = logging.getLogger("kvpush.vllm")
 
@@ -85,12 +85,8 @@ class WorkerSide:
             log.info("kvpush %s runtime %s: KV side channel at %s", role.value, runtime.engine_id,
                      runtime.kv_address)
 
-    def addresses(self) -> dict[Role, Address]:
-        out = {}
-        for role, rt in self.runtimes.items():
-            host, port = rt.kv_address.rsplit(":", 1)
-            out[role] = Address(rt.engine_id, host, int(port))
-        return out
+    def addresses(self) -> dict[Role, KVAddress]:
+        return {role: KVAddress(rt.engine_id, rt.kv_host, rt.kv_port) for role, rt in self.runtimes.items()}
 
     # ---- scheduler -> transfer threads -------------------------------------------------------
     def apply(self, meta: StepMeta) -> None:
