@@ -134,6 +134,18 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class EmulationConfig:
+    """--emulate: the model's forward replaced by a profile's clock and deterministic KV (kvpush/emulate/)."""
+
+    profile: str | None = None  # a shipped profile's name or a profile file; None: the real model
+    time_scale: float = 1.0  # every modelled time is stretched by this factor
+
+    def __post_init__(self) -> None:
+        if not self.time_scale > 0:
+            raise ValueError(f"--time-scale must be positive, got {self.time_scale}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -142,6 +154,12 @@ class EngineConfig:
     seed: int = 0
     compile: CompileMode = field(default_factory=compile_mode_default)
     linear_backend: LinearBackend = field(default_factory=linear_backend_default)
+    emulation: EmulationConfig = field(default_factory=EmulationConfig)
+
+    def __post_init__(self) -> None:
+        if self.emulation.profile is not None and self.model.device != "cpu":
+            raise ValueError(f"--emulate runs the emulated accelerator on the host: it cannot go with "
+                             f"--device {self.model.device}")
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from kvpush.config import (
     AdmissionConfig,
     CacheConfig,
     CompileMode,
+    EmulationConfig,
     EngineConfig,
     Faults,
     FirstToken,
@@ -68,6 +69,12 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="the linear layers' CPU backend: mkl (plain nn.Linear), onednn (weights packed once at "
                         "load), auto (time both on the model's shapes at start-up, keep the faster; cached per "
                         "CPU model and torch version) (default: $KVPUSH_LINEAR_BACKEND, else auto)")
+    g.add_argument("--emulate", default=None, metavar="PROFILE",
+                   help="replace the model's forward by an emulated accelerator: a shipped profile's name "
+                        "(qwen3-8b-h100, qwen3-32b-h200-tp8) or a profile file; MODEL supplies only the tokenizer; "
+                        "docs/emulation.md (default: none, the real model)")
+    g.add_argument("--time-scale", type=positive_float, default=_default(EmulationConfig, "time_scale"),
+                   metavar="S", help="--emulate: stretch every modelled step time by S")
 
 
 def _linear_backend(name: str | None) -> LinearBackend:
@@ -109,15 +116,38 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         scheduler = scheduler_config_from_args(args)
     except ValueError as exc:
         raise SystemExit(f"kvpush: {exc}") from None
-    return EngineConfig(
-        model=ModelConfig(args.model, args.dtype, args.device, args.max_model_len),
-        cache=CacheConfig(args.block_size, args.num_blocks, args.kv_cache_memory_mb, not args.no_prefix_caching),
-        scheduler=scheduler,
-        torch_threads=args.torch_threads,
-        seed=args.seed,
-        compile=CompileMode(args.compile),
-        linear_backend=_linear_backend(args.linear_backend),
-    )
+    try:
+        return EngineConfig(
+            model=ModelConfig(args.model, args.dtype, args.device, args.max_model_len),
+            cache=CacheConfig(args.block_size, args.num_blocks, args.kv_cache_memory_mb, not args.no_prefix_caching),
+            scheduler=scheduler,
+            torch_threads=args.torch_threads,
+            seed=args.seed,
+            compile=CompileMode(args.compile),
+            linear_backend=_linear_backend(args.linear_backend),
+            emulation=_emulation(args),
+        )
+    except ValueError as exc:
+        raise SystemExit(f"kvpush: {exc}") from None
+
+
+def _emulation(args: argparse.Namespace) -> EmulationConfig:
+    """--emulate and --time-scale; the profile is read here, so that a bad one stops `serve` before start-up."""
+    if args.emulate is None:
+        return EmulationConfig(time_scale=args.time_scale)
+    from kvpush.emulate.profile import ProfileError, load_profile
+
+    try:
+        profile = load_profile(args.emulate)
+    except ProfileError as e:
+        raise SystemExit(f"kvpush: --emulate: {e}") from None
+    memory = args.kv_cache_memory_mb << 20
+    block = profile.kv.bytes_per_token * args.block_size
+    if args.num_blocks is None and memory < block:
+        raise SystemExit(f"kvpush: --emulate {args.emulate}: one KV block ({block >> 10} KiB at "
+                         f"{profile.kv.bytes_per_token >> 10} KiB a token) does not fit --kv-cache-memory-mb "
+                         f"{args.kv_cache_memory_mb}")
+    return EmulationConfig(args.emulate, args.time_scale)
 
 
 def scheduler_config_from_args(args: argparse.Namespace) -> SchedulerConfig:

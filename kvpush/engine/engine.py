@@ -25,12 +25,16 @@ from kvpush.config import (
     apply_compile_environment,
     apply_native_cache_environment,
 )
+from kvpush.emulate.lateness import EmulationStats
+from kvpush.emulate.profile import load_profile
+from kvpush.emulate.runner import EmulatedRunner
+from kvpush.emulate.setup import emulated_arch, emulated_runner
 from kvpush.engine.block_manager import BlockManager
 from kvpush.engine.device import resolve_device
 from kvpush.engine.kv_cache import KVCache, KVLayout
 from kvpush.engine.kv_connector import EngineHooks, KVConnector
 from kvpush.engine.linear_choice import Choice, choose_for
-from kvpush.engine.model_runner import ModelRunner
+from kvpush.engine.model_runner import ModelRunner, StepRunner
 from kvpush.engine.prompt_check import check_prompt
 from kvpush.engine.request import Request, RequestStatus
 from kvpush.engine.sampling_params import SamplingParams, TokenLogprob
@@ -67,31 +71,55 @@ class LLMEngine:
         apply_compile_environment()
         torch.set_num_threads(config.torch_threads)
         self.device = resolve_device(config.model.device)  # DeviceError: e.g. cuda on a machine without
-        self.linear_choice: Choice = choose_for(config, self.device, machine.cpu())  # --linear-backend: calibrated or cached
-        log.info("%s", self.linear_choice.line())
-        self.model, self.arch, self.dtype = load_model(config.model.model, config.model.dtype, str(self.device),
-                                                          huge_pages=config.model.huge_pages,
-                                                          linear_backend=self.linear_choice.backend)
+        # --emulate: no weights; the profile's KV geometry and clock, the checkpoint's vocabulary (kvpush/emulate/)
+        self.profile = load_profile(config.emulation.profile) if config.emulation.profile else None
+        if self.profile is None:
+            self._load_model(config)
+        else:
+            self.arch, self.dtype = emulated_arch(config.model.model, self.profile)
         self.max_model_len = min(config.model.max_model_len or self.arch.max_position_embeddings,
                                  self.arch.max_position_embeddings)
         self.layout = self._layout()
         self.cache = KVCache(self.layout, self.device)
         self.block_manager = BlockManager(self.layout.num_blocks, self.layout.block_size,
                                           config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(_by_device(config.scheduler, self.device), self.block_manager, self.max_model_len)
-        self.runner = ModelRunner(self.model, self.cache, self.device, config.seed, config.compile)
+        # an emulated accelerator schedules as its kind does (a GPU profile packs prefills, as vLLM)
+        self.accelerator = torch.device(self.profile.device) if self.profile is not None else self.device
+        self.scheduler = Scheduler(_by_device(config.scheduler, self.accelerator), self.block_manager,
+                                   self.max_model_len)
         self.eos_token_ids = set(self.arch.eos_token_ids) | _generation_eos(config.model.model)
+        self.runner: StepRunner = (
+            ModelRunner(self.model, self.cache, self.device, config.seed, config.compile) if self.profile is None
+            else emulated_runner(self.cache, self.profile, config.emulation.time_scale, config.model.model,
+                                 self.arch.vocab_size, self.eos_token_ids, self.max_model_len))
         self.finished: list[EngineOutput] = []
         self.step_count = 0
         self.connector: KVConnector | None = None
         if connector is not None:
             self.set_connector(connector)
 
+    @property
+    def kv_origin(self) -> str:
+        """What computed this instance's KV, for the compatibility hash: "" (the model) or the emulation's
+        profile, so that a real instance never pairs with an emulated one."""
+        p = self.profile
+        return "" if p is None else f"emulated:{p.name}:{p.fingerprint}:x{self.config.emulation.time_scale:g}"
+
+    def emulation_stats(self) -> EmulationStats | None:
+        return self.runner.stats() if isinstance(self.runner, EmulatedRunner) else None
+
+    def _load_model(self, config: EngineConfig) -> None:
+        self.linear_choice: Choice = choose_for(config, self.device, machine.cpu())  # --linear-backend: calibrated or cached
+        log.info("%s", self.linear_choice.line())
+        self.model, self.arch, self.dtype = load_model(config.model.model, config.model.dtype, str(self.device),
+                                                          huge_pages=config.model.huge_pages,
+                                                          linear_backend=self.linear_choice.backend)
+
     def set_connector(self, connector: KVConnector) -> None:
         """Install the KV connector of a prefill or decode role (before any request)."""
         self.connector = connector
         self.scheduler.hold = connector.on_finished
-        self.scheduler.chunk_limit = _long_prefill_limit(self.config.scheduler, self.device, connector.decodes)
+        self.scheduler.chunk_limit = _long_prefill_limit(self.config.scheduler, self.accelerator, connector.decodes)
         connector.attach(EngineHooks(self.scheduler, self.block_manager, self.runner, self.cache, self.on_token))
 
     def _layout(self) -> KVLayout:

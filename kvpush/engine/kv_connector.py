@@ -29,7 +29,7 @@ from kvpush.protocol.kv_params import PrefillResult, RequestLegParams
 if TYPE_CHECKING:  # EngineHooks wraps them; the scheduler imports Admission from here
     from kvpush.engine.block_manager import BlockManager
     from kvpush.engine.kv_cache import KVCache
-    from kvpush.engine.model_runner import ModelRunner
+    from kvpush.engine.model_runner import StepRunner
     from kvpush.engine.scheduler import Scheduler
 
 
@@ -45,7 +45,7 @@ class Admission(StrEnum):
 class EngineHooks:
     """What a connector may do to its engine: allocate, park-free resume, finish, free."""
 
-    def __init__(self, scheduler: Scheduler, block_manager: BlockManager, runner: ModelRunner, cache: KVCache,
+    def __init__(self, scheduler: Scheduler, block_manager: BlockManager, runner: StepRunner, cache: KVCache,
                  on_token: Callable[[Request], None]) -> None:
         self._scheduler = scheduler
         self._blocks = block_manager

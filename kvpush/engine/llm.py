@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, fields
 from kvpush.config import (
     CacheConfig,
     CompileMode,
+    EmulationConfig,
     EngineConfig,
     ModelConfig,
     SchedulerConfig,
@@ -42,9 +43,10 @@ class RequestOutput:
 
 def build_engine_config(model: str, **kwargs) -> EngineConfig:
     """EngineConfig from flat keyword arguments (dtype=, block_size=, max_num_seqs=, compile=,
-    linear_backend="auto" | "mkl" | "onednn", ...)."""
+    linear_backend="auto" | "mkl" | "onednn", emulate=PROFILE, time_scale=S, ...)."""
     groups = {ModelConfig: {}, CacheConfig: {}, SchedulerConfig: {}}  # type: ignore[var-annotated]
     top = {}
+    emulation: dict = {}
     for key, value in kwargs.items():
         owner = next((cls for cls in groups if key in {f.name for f in fields(cls)}), None)
         if owner is not None:
@@ -55,12 +57,15 @@ def build_engine_config(model: str, **kwargs) -> EngineConfig:
             top[key] = CompileMode(value)
         elif key == "linear_backend":
             top[key] = parse_linear_backend(value)
+        elif key in ("emulate", "time_scale"):
+            emulation[{"emulate": "profile"}.get(key, key)] = value
         else:
             raise TypeError(f"unknown engine option {key!r}")
     return EngineConfig(
         model=ModelConfig(model=model, **groups[ModelConfig]),
         cache=CacheConfig(**groups[CacheConfig]),
         scheduler=SchedulerConfig(**groups[SchedulerConfig]),
+        emulation=EmulationConfig(**emulation),
         **top,
     )
 

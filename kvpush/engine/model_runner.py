@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -21,6 +22,26 @@ from kvpush.layers.attention import AttentionMetadata, PrefillSeq
 from kvpush.layers.cpu_kernels import PagedDecode, paged_decode_kernel
 from kvpush.layers.sampler import SamplingRow, sample
 from kvpush.models.decoder import CausalLM
+
+
+def add_slots(request: Request, n: int, block_size: int, ids: list[int], positions: list[int],
+              blocks: list[int]) -> None:
+    """Append the ids, positions and blocks of the `n` tokens of `request` a step computes next."""
+    start, table = request.num_computed_tokens, request.block_table
+    ids.extend(request.token_ids_slice(start, start + n))
+    positions.extend(range(start, start + n))
+    blocks.extend(table[p // block_size] for p in range(start, start + n))
+
+
+class StepRunner(Protocol):
+    """What the engine steps: the model's runner, or the emulated one (kvpush/emulate/runner.py)."""
+
+    layer_hook: Callable[[int], None] | None
+
+    @property
+    def num_compiled_graphs(self) -> int: ...
+
+    def execute(self, scheduled: list[tuple[Request, int]]) -> dict[str, int]: ...
 
 
 @dataclass
@@ -91,11 +112,8 @@ class ModelRunner:
         rows: list[int] = []
         sampled: list[Request] = []
         for request, n in ordered:
-            start, table = request.num_computed_tokens, request.block_table
-            ids.extend(request.token_ids_slice(start, start + n))
-            positions.extend(range(start, start + n))
-            blocks.extend(table[p // bs] for p in range(start, start + n))
-            if start + n == request.num_tokens:
+            add_slots(request, n, bs, ids, positions, blocks)
+            if request.num_computed_tokens + n == request.num_tokens:
                 rows.append(len(ids) - 1)
                 sampled.append(request)
         flat = torch.tensor([ids, positions, blocks], dtype=torch.long).to(self.device)  # [3, T]

@@ -190,6 +190,7 @@ class EngineCore:
             num_added=self.num_added,
             kv_reserved_blocks=s.num_blocks_to_start(),
             transfer=self.connector.stats() if self.connector is not None else None,
+            emulation=self.engine.emulation_stats(),
         )
 
 
@@ -220,7 +221,7 @@ def build_engine(config: EngineConfig, role: Role, transfer: TransferConfig,
     from kvpush.transfer.runtime import TransferRuntime
 
     runtime = TransferRuntime(role, transfer, engine.cache.kv, engine.cache.layout, config.model.model,
-                              str(engine.dtype), waker.wake)
+                              str(engine.dtype), waker.wake, kv_origin=engine.kv_origin)
     connector: RuntimeConnector = (PrefillConnector(runtime, transfer) if role is Role.PREFILL
                                    else DecodeConnector(runtime, transfer))
     engine.set_connector(connector)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import msgspec
 
+from kvpush.emulate.lateness import EmulationStats
 from kvpush.engine.sampling_params import SamplingParams
 from kvpush.protocol.kv_params import PrefillResult, RequestLegParams
 from kvpush.protocol.trace import Trace
@@ -75,6 +76,7 @@ class EngineStats(msgspec.Struct):
     num_added: int = 0  # AddRequests the core has taken in (admitted or not): the API's in-transit count
     kv_reserved_blocks: int = 0  # blocks unfinished requests still need for their prompt and next token
     transfer: TransferStats | None = None
+    emulation: EmulationStats | None = None  # --emulate: the profile, steps and their lateness
 
 
 class StepOutputs(msgspec.Struct, tag=True):

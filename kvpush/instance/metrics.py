@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvpush.emulate.lateness import EmulationStats
 from kvpush.instance.messages import EngineStats
 from kvpush.transfer.stats import Histogram as StatsHistogram
 from kvpush.transfer.stats import TransferStats
@@ -62,12 +63,53 @@ class TransferCollector(Collector):
             yield _histogram("kvpush_kv_transfer_descriptors", "Descriptors per posted transfer", t.descs)
 
 
-def _histogram(name: str, doc: str, h: StatsHistogram) -> HistogramMetricFamily:
-    buckets, running = [], 0
-    for bound, count in zip([*h.bounds, float("inf")], h.counts, strict=True):
+class EmulationCollector(Collector):
+    """--emulate: the profile and how late the emulated steps ended (kvpush/emulate/lateness.py), labelled with
+    the profile, so that no scrape of an emulated instance can be taken for a measurement of hardware."""
+
+    def __init__(self) -> None:
+        self.stats: EmulationStats | None = None
+
+    def collect(self):
+        e = self.stats
+        if e is None:
+            return
+        label = [e.profile]
+        info = GaugeMetricFamily("kvpush_emulated", "1: this instance emulates its accelerator (--emulate); "
+                                 "time_scale stretches every modelled step", labels=["profile", "time_scale"])
+        info.add_metric([e.profile, repr(e.time_scale)], 1)
+        yield info
+        for name, doc, value, kind in (
+                ("kvpush_emulated_steps", "Emulated engine steps", e.steps, CounterMetricFamily),
+                ("kvpush_emulated_modelled_seconds", "Modelled (scaled) time of the emulated steps", e.modelled_s,
+                 CounterMetricFamily),
+                ("kvpush_emulated_step_lateness_p50_seconds", "Median lateness of the recent emulated steps",
+                 e.lateness_p50_s, GaugeMetricFamily),
+                ("kvpush_emulated_step_lateness_p99_seconds", "p99 lateness of the recent emulated steps",
+                 e.lateness_p99_s, GaugeMetricFamily),
+                ("kvpush_emulated_step_p50_seconds", "Median modelled duration of the recent emulated steps",
+                 e.step_p50_s, GaugeMetricFamily)):
+            family = kind(name, doc, labels=["profile"])
+            family.add_metric(label, value)
+            yield family
+        lateness = HistogramMetricFamily("kvpush_emulated_step_lateness_seconds", "How far past its modelled end "
+                                         "each emulated step ended", labels=["profile"])
+        lateness.add_metric(label, _buckets(e.lateness_bounds, e.lateness_counts), sum_value=e.lateness_sum_s)
+        yield lateness
+
+
+def _buckets(bounds: list[float], counts: list[int]) -> list[tuple[str, float]]:
+    """Cumulative Prometheus buckets from per-bucket counts (the last one +Inf)."""
+    out: list[tuple[str, float]] = []
+    running = 0
+    for bound, count in zip([*bounds, float("inf")], counts, strict=True):
         running += count
-        buckets.append(("+Inf" if bound == float("inf") else repr(float(bound)), running))
-    return HistogramMetricFamily(name, doc, buckets=buckets, sum_value=h.total)
+        out.append(("+Inf" if bound == float("inf") else repr(float(bound)), running))
+    return out
+
+
+def _histogram(name: str, doc: str, h: StatsHistogram) -> HistogramMetricFamily:
+    return HistogramMetricFamily(name, doc, buckets=_buckets(h.bounds, h.counts), sum_value=h.total)
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
                     1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -149,6 +191,8 @@ class ServerMetrics:
                                      "(flat after start-up: a rise is a recompile)", registry=r)
         self.transfer = TransferCollector()
         r.register(self.transfer)
+        self.emulation = EmulationCollector()
+        r.register(self.emulation)
         r.register(VllmNames(self, model_name))
 
     def update_engine(self, stats: EngineStats, in_flight: int) -> None:
@@ -164,6 +208,7 @@ class ServerMetrics:
         self.in_flight.set(in_flight)
         self.compiled_graphs.set(stats.compiled_graphs)
         self.transfer.stats = stats.transfer
+        self.emulation.stats = stats.emulation
 
     def observe_request(self, ttft: float | None, e2e: float, num_output: int, finish_reason: str) -> None:
         self.requests.labels(finish_reason=finish_reason).inc()

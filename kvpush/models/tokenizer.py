@@ -179,6 +179,10 @@ class Tokenizer:
         """Return the vocabulary string of `token_id`, or None when it is out of range."""
         return self._tok.id_to_token(token_id)
 
+    def special_token_ids(self) -> set[int]:
+        """Ids of the tokens the tokenizer marks special (bos, eos, pad, chat markers, ...)."""
+        return {i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
+
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
         """Return the ids of `text`. Special tokens written in the text are recognised; none is added
         except a bos when `add_bos` (default: the checkpoint's add_bos_token) is true.

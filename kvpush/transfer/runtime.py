@@ -63,7 +63,7 @@ class TransferRuntime:
     """``kv``: kvpush's block-major buffer or one tensor per layer (vLLM's), as ``register_kv`` takes it."""
 
     def __init__(self, role: Role, config: TransferConfig, kv: torch.Tensor | Sequence[torch.Tensor],
-                 layout: KVShape, model_id: str, dtype: str, wake: Callable[[], None]) -> None:
+                 layout: KVShape, model_id: str, dtype: str, wake: Callable[[], None], kv_origin: str = "") -> None:
         self.role = role
         self.config = config
         self.engine_id = new_engine_id(role)
@@ -74,7 +74,9 @@ class TransferRuntime:
                                        device_id=first.device.index or 0)
         geometry = self.agent.register_kv(kv if isinstance(kv, torch.Tensor) else list(kv))
         # The compat hash covers the transfer mode, so push and pull instances never pair up.
-        fields = (model_identity(model_id), dtype, layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.block_size,
+        # kv_origin: "" for a model's own KV, else what emulated it (an emulated instance never pairs with a real one)
+        model = " ".join(filter(None, (model_identity(model_id), kv_origin)))
+        fields = (model, dtype, layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.block_size,
                   config.kv_mode.value)
         self.side_channel = SideChannelServer(config.kv_host, config.kv_port, self._on_handshake,
                                               on_reject=self._count_rejected)
