@@ -99,3 +99,12 @@ def test_lateness_log():
 def test_emulation_refuses_a_real_device(tiny_model):
     with pytest.raises(ValueError, match="cannot go with --device cuda"):
         LLM(tiny_model, emulate="qwen3-8b-h100", device="cuda")
+
+
+def test_an_emulated_instance_never_pairs_with_a_real_one(llm, tiny_model):
+    """The compatibility hash takes the engine's kv_origin: empty for the model, the profile (name, a hash of
+    its geometry, clock and link) and the time scale when emulated."""
+    origin = llm.engine.kv_origin
+    profile = load_profile("qwen3-32b-h200-tp8")
+    assert origin == f"emulated:qwen3-32b-h200-tp8:{profile.fingerprint}:x{SCALE:g}"
+    assert LLM(tiny_model, block_size=8, num_blocks=16).engine.kv_origin == ""
