@@ -26,12 +26,8 @@ used, which tells more work from less CPU share.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import signal
-import subprocess
 import urllib.request
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -42,6 +38,7 @@ from kvpush.bench.demo import ensure_model
 from kvpush.bench.report import fmt_rate, format_table, load_run
 from kvpush.bench.stats import Stat, fmt_ci, p50, p99, ratio_ci, verdict
 from kvpush.bench.suite import SuiteConfig, bench_args, process_tree_cpu
+from kvpush.bench.vllm_client import VllmBench, VllmRun, served_model
 from kvpush.config import default_model_dir
 from kvpush.launcher.launch import free_port
 from kvpush.launcher.up import Deployment
@@ -49,52 +46,6 @@ from kvpush.launcher.up import Deployment
 FRONTS = ("kvpush-proxy", "vllm-router")
 METRICS = ("ttft", "tpot", "itl")  # per-request milliseconds, see VllmRun
 STATS: tuple[tuple[str, Stat], ...] = (("p50", p50), ("p99", p99))
-VLLM_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
-
-
-@dataclass
-class VllmRun:
-    """One `vllm bench serve --save-detailed` result: vLLM's own summary and the per-request values
-    (ms) of its successful requests, in prompt order (``ok`` says which prompts succeeded)."""
-
-    path: Path
-    summary: dict[str, float]
-    completed: int
-    failed: int
-    errors: list[str]
-    ok: list[bool]
-    values: dict[str, list[float]] = field(default_factory=dict)
-
-
-def load_vllm_run(path: Path) -> VllmRun:
-    """Parse a result JSON of `vllm bench serve --save-result --save-detailed` (vLLM 0.32)."""
-    doc = json.loads(path.read_text(encoding="utf-8"))
-    missing = [k for k in ("completed", "failed", "ttfts", "itls", "latencies", "output_lens", "errors")
-               if k not in doc]
-    if missing:
-        raise ValueError(f"{path}: not a `vllm bench serve --save-detailed` result (missing {missing})")
-    ok = [int(n) > 0 and not err for n, err in zip(doc["output_lens"], doc["errors"], strict=True)]
-    ttft, tpot, itl = [], [], []
-    for i, good in enumerate(ok):
-        if not good:
-            continue
-        ttft.append(doc["ttfts"][i] * 1000.0)
-        n = int(doc["output_lens"][i])
-        if n > 1:  # as vLLM computes TPOT: (latency - ttft) / (output tokens - 1)
-            tpot.append((doc["latencies"][i] - doc["ttfts"][i]) / (n - 1) * 1000.0)
-        itl += [x * 1000.0 for x in doc["itls"][i]]
-    summary = {k: float(v) for k, v in doc.items() if k.endswith("_ms") and isinstance(v, int | float)}
-    return VllmRun(path, summary, int(doc["completed"]), int(doc["failed"]),
-                   [e for e in doc["errors"] if e], ok, {"ttft": ttft, "tpot": tpot, "itl": itl})
-
-
-def served_model(url: str) -> str:
-    """The model id a front door serves (its /v1/models), which `vllm bench --model` must match."""
-    with urllib.request.urlopen(url + "/v1/models", timeout=30) as r:
-        data = json.loads(r.read())["data"]
-    if len(data) != 1:
-        raise RuntimeError(f"{url}/v1/models lists {len(data)} models, expected 1")
-    return str(data[0]["id"])
 
 
 def decode_kv_counters(dep: Deployment) -> str:
@@ -109,47 +60,6 @@ def decode_kv_counters(dep: Deployment) -> str:
                     found[name] = found.get(name, 0.0) + float(value)
     return ", ".join(f"{name.removeprefix('kvpush_kv_').removesuffix('_total')} {found.get(name, 0):g}"
                      for name in wanted)
-
-
-class VllmBench:
-    """One `vllm bench serve` process against one front door; output in ``<result_dir>/<name>.log``."""
-
-    def __init__(self, vllm: str, url: str, served: str, model_dir: str, cfg: SuiteConfig, rate: float, seed: int,
-                 name: str) -> None:
-        self.name, self.out = name, Path(cfg.result_dir)
-        self.argv = [os.path.join(vllm, "venv", "bin", "vllm"), "bench", "serve", "--backend", "openai",
-                     "--base-url", url, "--endpoint", "/v1/completions", "--model", served, "--tokenizer", model_dir,
-                     "--dataset-name", "random", "--random-input-len", str(cfg.input_len),
-                     "--random-output-len", str(cfg.output_len), "--num-prompts", str(cfg.num_prompts),
-                     "--request-rate", fmt_rate(rate), "--ignore-eos", "--seed", str(seed), "--num-warmups",
-                     str(cfg.num_warmups), "--disable-tqdm", "--save-result", "--save-detailed",
-                     "--result-dir", str(self.out), "--result-filename", f"{name}.json"]
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> VllmBench:
-        with open(self.out / f"{self.name}.log", "w", encoding="utf-8") as log:
-            log.write(" ".join(self.argv) + "\n")
-            log.flush()
-            self.proc = subprocess.Popen(self.argv, env={**os.environ, **VLLM_ENV}, stdout=log,
-                                         stderr=subprocess.STDOUT, start_new_session=True)
-        return self
-
-    def finish(self) -> VllmRun:
-        """Wait for the client, parse its result JSON and print vLLM's own summary of it."""
-        assert self.proc is not None
-        if (rc := self.proc.wait()) != 0:
-            raise RuntimeError(f"vllm bench serve exited with {rc}; see {self.out / (self.name + '.log')}")
-        run = load_vllm_run(self.out / f"{self.name}.json")
-        s = run.summary
-        print(f"{self.name}: {run.completed} ok / {run.failed} failed, vLLM's summary: TTFT p50 "
-              f"{s['median_ttft_ms']:.0f} p99 {s['p99_ttft_ms']:.0f}, TPOT p50 {s['median_tpot_ms']:.1f}, "
-              f"ITL p50 {s['median_itl_ms']:.1f} ms", flush=True)
-        return run
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait()
 
 
 def pooled(runs: list[VllmRun], metric: str) -> list[float]:

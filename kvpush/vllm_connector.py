@@ -262,6 +262,12 @@ COUNTERS = (  # name, help, the TransferStats field it counts
     ("kvpush_kv_transfers_completed", "KV transfers this instance completed", "transfers_total"),
     ("kvpush_kv_transfer_bytes", "bytes of KV moved by completed transfers", "bytes_total"),
     ("kvpush_kv_local_fallbacks", "D: requests computed locally after their KV failed", "local_fallbacks"),
+    ("kvpush_kv_transfer_post_seconds", "seconds spent posting the WRITEs / READs this instance posted",
+     "post_s_total"),
+)
+POSTED = (  # name, help, the field of TransferStats.descs it counts
+    ("kvpush_kv_transfers_posted", "WRITEs / READs this instance posted (and saw end)", "count"),
+    ("kvpush_kv_transfer_descriptors", "NIXL descriptors of the WRITEs / READs this instance posted", "total"),
 )
 
 
@@ -274,6 +280,8 @@ class KVPushPromMetrics(KVConnectorPromMetrics):
         names = [*labelnames, "role"]
         self.counters = {field_: self._counter_cls(name=name, documentation=doc, labelnames=names)
                          for name, doc, field_ in COUNTERS}
+        self.posted = {field_: self._counter_cls(name=name, documentation=doc, labelnames=names)
+                       for name, doc, field_ in POSTED}
         self.failures = self._counter_cls(name="kvpush_kv_transfer_failures",
                                           documentation="KV transfers that failed or expired, by reason",
                                           labelnames=[*names, "reason"])
@@ -291,5 +299,8 @@ class KVPushPromMetrics(KVConnectorPromMetrics):
             labels = [*base, role]
             for field_, counter in self.counters.items():
                 self._inc(counter, labels, (engine_idx, role, field_), float(stats.get(field_, 0)))
+            for field_, counter in self.posted.items():
+                value = float((stats.get("descs") or {}).get(field_, 0))
+                self._inc(counter, labels, (engine_idx, role, "descs", field_), value)
             for reason, n in stats.get("failures", {}).items():
                 self._inc(self.failures, [*labels, reason], (engine_idx, role, "failures", reason), float(n))

@@ -17,10 +17,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from kvpush_testing import post, wait_for
 from test_vllm_router import Router, router_binary, stream
-from vllm_peer import START_S, connector_config, metric_sum, vllm_server
+from vllm_peer import START_S, connector_config, kvpush_proxy, metric_sum, vllm_server
 
 from kvpush.config import KVMode
-from kvpush.launcher.launch import ServerProcess, free_port
 from kvpush.protocol import kv_params as kp
 from kvpush.protocol.vllm_params import INFO_QUERY
 
@@ -50,11 +49,7 @@ def vllm_pd(tmp_path_factory):
             proc.wait_healthy(START_S)
         p, d = procs
         for mode in ("push", "pull"):
-            port = free_port()
-            proxy = ServerProcess(["proxy", "--port", str(port), "--kv-mode", mode, "--prefill", p.url,
-                                   "--decode", d.url], log_path=str(logs / f"proxy-{mode}.log"))
-            procs.append(proxy.start())
-            proxy.wait_healthy(60)
+            procs.append(kvpush_proxy(mode, p.url, d.url, logs / f"proxy-{mode}.log"))
         yield procs
     finally:
         for proc in procs:

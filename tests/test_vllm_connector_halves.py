@@ -12,7 +12,7 @@ from enum import Enum
 import pytest
 import torch
 
-from kvpush.config import KVMode, Role
+from kvpush.config import Faults, KVMode, Role
 from kvpush.protocol import kv_params as kp
 from kvpush.protocol.vllm_params import INFO_QUERY, KVAddress
 from kvpush.vllm.config import ConnectorConfigError, ConnectorOptions
@@ -181,6 +181,14 @@ def test_options_refuse_unknown_keys_and_bad_values():
     assert ConnectorOptions.parse(None).roles("kv_both") == (Role.PREFILL, Role.DECODE)
     with pytest.raises(ConnectorConfigError, match="kv_role"):
         ConnectorOptions.parse({}).roles("kv_sideways")
+    with pytest.raises(ConnectorConfigError, match="delay-posts"):
+        ConnectorOptions.parse({"faults": ["delay-posts:1"]}).transfer()
+
+
+def test_options_carry_injected_faults_to_the_transfer_config():
+    assert ConnectorOptions.parse({}).transfer().faults == Faults()
+    faults = ConnectorOptions.parse({"faults": ["delay-post:6", "drop-notif:0.5"]}).transfer().faults
+    assert (faults.delay_post_s, faults.drop_notif) == (6.0, 0.5)
 
 
 # ---------------------------------------------------------------------- worker half, real nixl

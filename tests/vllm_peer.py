@@ -9,13 +9,12 @@ from pathlib import Path
 
 import pytest
 
+from kvpush.bench.vllm_client import metric_sums, vllm_serve
 from kvpush.launcher.launch import ServerProcess, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 # `make test` names the peer it built (cached outside the checkout); by hand, the checkout's link to it
 PEER = Path(os.environ.get("KVPUSH_VLLM_PEER") or ROOT / ".vllm-peer")
-ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
-       "VLLM_CPU_OMP_THREADS_BIND": "0", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
 START_S = 600.0  # vLLM-cpu starts in 40-170 s here alone; two at once on two cores take longer
 
 
@@ -34,22 +33,21 @@ def connector_config(role: str = "kv_both", **extra: object) -> str:
                        "kv_role": role, "kv_buffer_device": "cpu", "kv_connector_extra_config": extra})
 
 
-def vllm_server(model: str, log: Path, kv_config: str | None, served: str = "bench") -> ServerProcess:
-    argv = ["serve", model, "--served-model-name", served, "--host", "127.0.0.1", "--port", str(free_port()),
-            "--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "32", "--enforce-eager",
-            "--max-num-batched-tokens", "2048", *(["--kv-transfer-config", kv_config] if kv_config else [])]
-    return ServerProcess(argv, env=ENV, log_path=str(log), program=[vllm_binary()])
+def vllm_server(model: str, log: Path, kv_config: str | None, served: str = "bench", max_model_len: int = 2048,
+                num_blocks: int | None = None, core: int = 0) -> ServerProcess:
+    """vLLM-cpu serving ``model`` with the checkout importable (``num_blocks``: its KV cache holds only that
+    many blocks); its OpenMP thread on ``core``, its processes unpinned."""
+    vllm_binary()
+    return vllm_serve(str(PEER), model, log, json.loads(kv_config) if kv_config else None, core=core, pin=False,
+                      python_path=[str(ROOT)], served=served, max_model_len=max_model_len, num_blocks=num_blocks)
 
 
-def metric_sum(url: str, name: str, **labels: str) -> float:
-    """The sum of a metric's samples whose labels include ``labels`` (0 when there is none)."""
-    import urllib.request
+metric_sum = metric_sums
 
-    total = 0.0
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
-        for line in r.read().decode().splitlines():
-            if not line.startswith(name) or line[len(name):len(name) + 1] not in ("{", " "):
-                continue
-            if all(f'{k}="{v}"' in line for k, v in labels.items()):
-                total += float(line.rsplit(" ", 1)[1])
-    return total
+
+def kvpush_proxy(mode: str, p_url: str, d_url: str, log: Path) -> ServerProcess:
+    """kvpush's proxy in ``mode`` in front of one P and one D, started and healthy."""
+    proxy = ServerProcess(["proxy", "--port", str(free_port()), "--kv-mode", mode, "--prefill", p_url,
+                           "--decode", d_url], log_path=str(log)).start()
+    proxy.wait_healthy(60)
+    return proxy

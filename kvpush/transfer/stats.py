@@ -38,6 +38,7 @@ class TransferStats(msgspec.Struct):
     transfers_total: int = 0
     time_s: Histogram | None = None
     descs: Histogram | None = None
+    post_s_total: float = 0.0  # seconds spent in the posting calls of the transfers in `descs`
     ignored_unknown: int = 0
     ignored_stale: int = 0
     ignored_foreign: int = 0
@@ -62,6 +63,7 @@ class TransferMetrics:
         self.descs = Histogram.empty(tuple(float(b) for b in DESC_BUCKETS))
         self.bytes_total = 0
         self.transfers_total = 0
+        self.post_s_total = 0.0
         self.bad_messages = 0
         self.handshakes = 0
         self.handshake_failures = 0
@@ -73,6 +75,7 @@ class TransferMetrics:
         finished = transfer.finished_at or transfer.posted_at
         self.time_s.observe(max(finished - transfer.posted_at, 0.0))
         self.descs.observe(float(transfer.num_descs))
+        self.post_s_total += transfer.post_s
         self.bytes_total += transfer.num_bytes
         self.transfers_total += 1
 
@@ -87,7 +90,7 @@ class TransferMetrics:
             by_state={s.value: n for s, n in ledger.count_by_state().items()},
             bytes_total=self.bytes_total, transfers_total=self.transfers_total,
             time_s=msgspec.structs.replace(self.time_s, counts=list(self.time_s.counts)),
-            descs=msgspec.structs.replace(self.descs, counts=list(self.descs.counts)),
+            descs=msgspec.structs.replace(self.descs, counts=list(self.descs.counts)), post_s_total=self.post_s_total,
             ignored_unknown=c.ignored_unknown, ignored_stale=c.ignored_stale, ignored_foreign=c.ignored_foreign,
             ignored_unexpected=c.ignored_unexpected, duplicates=c.duplicates, bad_messages=self.bad_messages,
             handshakes=self.handshakes, handshake_failures=self.handshake_failures,

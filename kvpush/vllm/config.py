@@ -12,7 +12,7 @@ from typing import Any
 
 import msgspec
 
-from kvpush.config import KVMode, OnKVFailure, Role, TransferConfig
+from kvpush.config import Faults, KVMode, OnKVFailure, Role, TransferConfig
 from kvpush.errors import KVPushError
 
 
@@ -33,6 +33,7 @@ class ConnectorOptions(msgspec.Struct, forbid_unknown_fields=True, frozen=True, 
     kv_writes_per_peer: int = 1  # P: whole-request WRITEs in flight to one D at a time (0: no limit)
     on_kv_failure: OnKVFailure = OnKVFailure.RECOMPUTE  # D: recompute locally, or fail the request
     idle_wait_ms: float = 10.0  # an empty engine step waits this long at most for a transfer event
+    faults: tuple[str, ...] = ()  # testing only: kvpush's --fault-inject specs, e.g. ["delay-post:6"]
 
     def __post_init__(self) -> None:
         if self.mode is KVMode.PUSH_LAYERWISE:
@@ -65,6 +66,6 @@ class ConnectorOptions(msgspec.Struct, forbid_unknown_fields=True, frozen=True, 
                                   kv_advertise_host=self.kv_advertise_host, kv_secret=self.kv_secret,
                                   kv_lease_s=self.kv_lease_s, kv_timeout_s=self.kv_timeout_s,
                                   kv_quarantine_s=self.kv_quarantine_s, on_kv_failure=self.on_kv_failure,
-                                  kv_writes_per_peer=self.kv_writes_per_peer)
+                                  kv_writes_per_peer=self.kv_writes_per_peer, faults=Faults.parse(self.faults))
         except ValueError as e:
             raise ConnectorConfigError(f"kv_connector_extra_config: {e}") from e
