@@ -136,7 +136,7 @@ def run_group(args, cfg, model: str, group: str, colocated: ServerProcess, logs:
         order = list(targets)
         for rep in range(cfg.repeats):
             for k, rate in enumerate(cfg.rates):
-                seed = cfg.seed + 1000 * rep + 100 * len(results["runs"]) + k
+                seed = cfg.seed + 1000 * rep + 100 * list(FRONTS).index(group) + k  # one per group, repeat, rate
                 shift = (rep * len(cfg.rates) + k) % len(order)
                 for n in order[shift:] + order[:shift]:
                     run = run_one(args, cfg, model, targets[n].url, served[n], rate, seed,
