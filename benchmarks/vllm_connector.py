@@ -67,7 +67,7 @@ def instance(args: argparse.Namespace, model: str, name: str, core: int, group: 
 
 def front(name: str, p: ServerProcess, d: ServerProcess, logs: Path) -> ServerProcess:
     port = free_port()
-    if name.endswith("router"):
+    if name.endswith("router") or name == "nixl-pull":  # vLLM's NixlConnector behind vllm-router
         urls = {"prefill": [p.url], "decode": [d.url]}
         return ServerProcess(vllm_router_argv(port, urls, [], "pull"), program=[find_vllm_router()],
                              log_path=str(logs / f"{name}.log"))
@@ -75,8 +75,6 @@ def front(name: str, p: ServerProcess, d: ServerProcess, logs: Path) -> ServerPr
         mode = name.split("-")[1]
         return ServerProcess(["proxy", "--port", str(port), "--kv-mode", mode, "--prefill", p.url, "--decode", d.url],
                              log_path=str(logs / f"{name}.log"))
-    if name == "nixl-pull":
-        raise AssertionError("nixl-pull is served by vllm-router")
     return ServerProcess(["--port", str(port), "--prefill", p.url, "--decode", d.url],
                          program=[sys.executable, str(ROOT / "benchmarks" / "vllm_push_proxy.py")],
                          log_path=str(logs / f"{name}.log"))
