@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -38,7 +37,7 @@ from kvpush.bench.demo import ensure_model
 from kvpush.bench.report import fmt_rate, format_table, load_run
 from kvpush.bench.stats import Stat, fmt_ci, p50, p99, ratio_ci, verdict
 from kvpush.bench.suite import SuiteConfig, bench_args, process_tree_cpu
-from kvpush.bench.vllm_client import VllmBench, VllmRun, served_model
+from kvpush.bench.vllm_client import VllmBench, VllmRun, metric_sums, served_model
 from kvpush.config import default_model_dir
 from kvpush.launcher.launch import free_port
 from kvpush.launcher.up import Deployment
@@ -51,13 +50,7 @@ STATS: tuple[tuple[str, Stat], ...] = (("p50", p50), ("p99", p99))
 def decode_kv_counters(dep: Deployment) -> str:
     """D's completed KV transfers and local fallbacks (kvpush's /metrics): shows the KV really moved."""
     wanted = ("kvpush_kv_transfers_completed_total", "kvpush_kv_local_fallbacks_total")
-    found = {}
-    for inst in dep.of_role("decode"):
-        with urllib.request.urlopen(inst.url + "/metrics", timeout=30) as r:
-            for line in r.read().decode().splitlines():
-                name, _, value = line.partition(" ")
-                if name in wanted:
-                    found[name] = found.get(name, 0.0) + float(value)
+    found = {name: sum(metric_sums(inst.url, name, timeout_s=30) for inst in dep.of_role("decode")) for name in wanted}
     return ", ".join(f"{name.removeprefix('kvpush_kv_').removesuffix('_total')} {found.get(name, 0):g}"
                      for name in wanted)
 

@@ -7,7 +7,8 @@ its reference on the expired transfer's blocks until P's Done says the late WRIT
 is longer than W here, so only the Done can release them). Meanwhile plain requests sent straight to D
 want every block it has (D has only a few), so a block released early would be reused at once and the
 late WRITE would land in another request's KV. Every HTTP 200 must equal vLLM alone; every block comes
-back. (With kv_quarantine_s 0 the same run serves wrong 200s: `benchmarks/vllm_connector.py stale`.)
+back. (Run by hand with D's kv_quarantine_s 0 instead, the same scenario served 3 wrong 200s in 120:
+docs/vllm-connector.md, Tests.)
 """
 
 from __future__ import annotations

@@ -40,10 +40,10 @@ def vllm_serve(vllm: str, model: str, log: Path, kv_config: dict | None, core: i
     return ServerProcess(argv, env=env, log_path=str(log), program=program)
 
 
-def metric_sums(url: str, name: str, **labels: str) -> float:
+def metric_sums(url: str, name: str, timeout_s: float = 10.0, **labels: str) -> float:
     """The sum of the samples of metric ``name`` in ``url``/metrics whose labels include ``labels`` (0: none)."""
     total = 0.0
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+    with urllib.request.urlopen(url + "/metrics", timeout=timeout_s) as r:
         for line in r.read().decode().splitlines():
             if not line.startswith(name) or line[len(name):len(name) + 1] not in ("{", " "):
                 continue
