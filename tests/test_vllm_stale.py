@@ -7,8 +7,7 @@ its reference on the expired transfer's blocks until P's Done says the late WRIT
 is longer than W here, so only the Done can release them). Meanwhile plain requests sent straight to D
 want every block it has (D has only a few), so a block released early would be reused at once and the
 late WRITE would land in another request's KV. Every HTTP 200 must equal vLLM alone; every block comes
-back. (Run by hand with D's kv_quarantine_s 0 instead, the same scenario served 3 wrong 200s in 120:
-docs/vllm-connector.md, Tests.)
+back. (With D's kv_quarantine_s set to 0 in the fixture, this test fails on a wrong 200 from the flood.)
 """
 
 from __future__ import annotations
