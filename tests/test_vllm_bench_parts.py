@@ -63,3 +63,21 @@ def test_push_proxy_legs_follow_vllm_push_protocol():
                                      "remote_port": 5, "tp_size": 1, "remote_block_ids": [1, 2]}}
     leg = proxy.decode_params(answer)
     assert leg["do_remote_prefill"] and leg["remote_engine_id"] == "e" and "remote_block_ids" not in leg
+
+
+def test_table_ratio_pairs_by_repeat_and_counts_cut_runs():
+    bench = load(BENCH / "vllm_connector.py", "kvpush_vllm_connector_bench")
+
+    def run(front, rep, ttft, cut=False):
+        values = {"ttft": ttft, "tpot": [10.0] * len(ttft), "itl": []}
+        return {"group": "kvpush", "front": front, "rate": 1.0, "rep": rep,
+                "run": None if cut else {"completed": len(ttft), "failed": 0, "values": values}}
+
+    base = [100.0, 110.0, 120.0, 130.0]
+    runs = [run("colocated", 0, base), run("kvpush-push", 0, [2 * v for v in base]),
+            run("colocated", 1, base), run("kvpush-push", 1, [], cut=True)]
+    text = bench.table({"runs": runs, "errors": [], "idle_cpu": {}, "posted": {}})
+    push = next(line for line in text.splitlines() if "kvpush-push" in line)
+    cells = [c.strip() for c in push.split("|")]
+    assert cells[4] == "4/0/1"  # the cut repeat is counted, not dropped silently
+    assert cells[8].startswith("2.00 [2.00, 2.00]") and cells[9].startswith("1.00")
