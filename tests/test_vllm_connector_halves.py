@@ -13,11 +13,12 @@ import pytest
 import torch
 
 from kvpush.config import Faults, KVMode, Role
+from kvpush.errors import TransferError
 from kvpush.protocol import kv_params as kp
 from kvpush.protocol.vllm_params import INFO_QUERY, KVAddress
 from kvpush.vllm.config import ConnectorConfigError, ConnectorOptions
-from kvpush.vllm.meta import HoldJob, RecvJob, StepMeta
-from kvpush.vllm.scheduler import SchedulerSide
+from kvpush.vllm.meta import HoldJob, LayerJob, RecvJob, StepMeta
+from kvpush.vllm.scheduler import LegStep, SchedulerSide
 from kvpush.vllm.worker import KVShape, WorkerSide
 
 BS = 4  # tokens per block
@@ -158,6 +159,36 @@ def test_aborted_prefill_cancels_and_frees_at_once():
     assert s.build_meta(1).cancel[0].role == "prefill"
 
 
+def test_layerwise_prefill_hands_each_block_once_as_its_chunk_completes_it():
+    s = side(mode=KVMode.AUTO)
+    req = FakeRequest("p1", prefill_leg(KVMode.PUSH_LAYERWISE), output_token_ids=[42], status=Status.FINISHED_STOPPED)
+    plain = FakeRequest("p2", prefill_leg(KVMode.PUSH))
+    s.on_new_request(req)
+    s.on_new_request(plain)
+    assert list(s.layerwise) == ["p1"]  # only push-layerwise legs are handed layer by layer
+    # 10 prompt tokens in chunks of 6 and 4 (BS 4): the first completes block 0, the last blocks 1 and 2
+    (job,) = s.build_meta(6, (LegStep("p1", 0, 6, (5, 6), resumed=True),)).layers
+    tid = req.kv_transfer_params["transfer_id"]
+    assert job == LayerJob(tid, (0,), (5,))
+    (job,) = s.build_meta(4, (LegStep("p1", 6, 4, (7,)),)).layers
+    assert job == LayerJob(tid, (1, 2), (6, 7))
+    assert not s.build_meta(1, (LegStep("p1", 10, 1, ()),)).layers  # a decode step: nothing handed again
+    assert s.finished(req, [5, 6, 7])[0] and s.build_meta(1).hold[0].block_ids == (5, 6, 7)
+
+
+def test_layerwise_prefill_preempted_after_handing_blocks_is_cancelled_not_held():
+    s = side(mode=KVMode.PUSH_LAYERWISE)
+    req = FakeRequest("p1", prefill_leg(KVMode.PUSH_LAYERWISE), num_prompt_tokens=12, output_token_ids=[1],
+                      status=Status.FINISHED_STOPPED)
+    s.on_new_request(req)
+    assert s.build_meta(4, (LegStep("p1", 0, 4, (5,), resumed=True),)).layers
+    meta = s.build_meta(0, preempted=frozenset({"p1"}))
+    assert meta.cancel[0].reason == "prefill preempted" and meta.cancel[0].role == "prefill"
+    assert not s.build_meta(8, (LegStep("p1", 0, 12, (8, 9, 10), resumed=True),)).layers  # resumed: no more
+    assert s.finished(req, [8, 9, 10]) == (False, None) and not s.build_meta(1).hold
+    assert not s.prefill_ids
+
+
 def test_bad_params_are_counted_and_computed_locally_and_info_answers():
     s = side(roles=(Role.DECODE,))
     bad = FakeRequest("b", prefill_leg())  # a prefill leg on a decode-only instance
@@ -174,8 +205,7 @@ def test_bad_params_are_counted_and_computed_locally_and_info_answers():
 def test_options_refuse_unknown_keys_and_bad_values():
     with pytest.raises(ConnectorConfigError, match="modee"):
         ConnectorOptions.parse({"modee": "push"})
-    with pytest.raises(ConnectorConfigError, match="push-layerwise"):
-        ConnectorOptions.parse({"mode": "push-layerwise"})
+    assert ConnectorOptions.parse({"mode": "push-layerwise"}).mode is KVMode.PUSH_LAYERWISE
     with pytest.raises(ConnectorConfigError, match="kv-lease-s"):
         ConnectorOptions.parse({"kv_lease_s": -1}).transfer()
     assert ConnectorOptions.parse(None).roles("kv_both") == (Role.PREFILL, Role.DECODE)
@@ -195,6 +225,7 @@ def test_options_carry_injected_faults_to_the_transfer_config():
 
 NUM_BLOCKS, LAYERS, HEADS, HD = 12, 3, 2, 8
 SHAPE = KVShape(num_layers=LAYERS, num_kv_heads=HEADS, head_dim=HD, block_size=BS)
+NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
 
 
 def vllm_cpu_layers(fill: bool, seed: int = 0) -> list[torch.Tensor]:
@@ -210,8 +241,8 @@ def pair(request):
     options = ConnectorOptions(mode=KVMode.AUTO, kv_timeout_s=3, kv_quarantine_s=0.5, kv_lease_s=5)
     p, d = WorkerSide(options, (Role.PREFILL,)), WorkerSide(options, (Role.DECODE,))
     src, dst = vllm_cpu_layers(True, seed=1), vllm_cpu_layers(False)
-    p.start(src, SHAPE, "tiny-model", "torch.float32@test")
-    d.start(dst, SHAPE, "tiny-model", "torch.float32@test")
+    p.start(src, SHAPE, "tiny-model", "torch.float32@test", NAMES)
+    d.start(dst, SHAPE, "tiny-model", "torch.float32@test", NAMES)
     yield p, d, src, dst
     p.shutdown()
     d.shutdown()
@@ -259,6 +290,32 @@ def test_worker_halves_move_vllm_cpu_blocks_byte_for_byte(pair, mode):
         assert not dst[layer][others].any()
 
 
+def test_worker_halves_push_layer_by_layer_as_vllm_saves_each_layer(pair):
+    p, d, src, dst = pair
+    lease = time.time() + 5
+    p_leg, d_leg = legs_for(p, KVMode.PUSH_LAYERWISE, (3, 7, 9), lease)
+    d.apply(StepMeta(recv=[RecvJob("d-req", d_leg, (2, 5, 8), 0, 10, time.time() + 3)]))
+    p.begin_step(StepMeta(layers=[LayerJob(p_leg.transfer_id, (0, 1, 2), (3, 7, 9))]))
+    p.layer_saved(NAMES[0])
+    end = time.monotonic() + 10  # layer 0 lands while the "forward pass" has not reached layer 1
+    while not torch.equal(dst[0][8], src[0][9]) and time.monotonic() < end:
+        time.sleep(0.005)
+    assert torch.equal(dst[0][[2, 5, 8]], src[0][[3, 7, 9]]) and not dst[1].any()
+    for name in NAMES[1:]:
+        p.layer_saved(name)
+    p.end_step()
+    p.layer_saved(NAMES[0])  # a forward pass after the step's end hands nothing again
+    p.apply(StepMeta(hold=[HoldJob("p-req", p_leg, (3, 7, 9), 10, 11, lease)]))
+    got = until(d, "recving", "d-req")
+    assert not got["failed"]
+    until(p, "sending", "p-req")
+    for layer in range(LAYERS):
+        assert torch.equal(dst[layer][[2, 5, 8]], src[layer][[3, 7, 9]])
+    with pytest.raises(TransferError, match="did not register"):
+        p.begin_step(StepMeta(layers=[LayerJob("t", (0,), (1,))]))
+        p.layer_saved("model.layers.99.self_attn.attn")
+
+
 def test_worker_failure_reports_failed_and_releases_blocks_only_after_quarantine(pair):
     p, d, _, dst = pair
     addr = p.addresses()[Role.PREFILL]
@@ -303,7 +360,6 @@ def test_a_stale_free_of_another_transfer_does_not_end_a_quarantine(pair):
 
 
 def test_a_dead_transfer_thread_stops_vllm_with_the_reason(pair):
-    from kvpush.errors import TransferError
 
     p, _, _, _ = pair
     rt = p.runtimes[Role.PREFILL]

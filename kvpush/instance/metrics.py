@@ -48,6 +48,8 @@ class TransferCollector(Collector):
                                   value=t.thread_cpu_s)
         yield CounterMetricFamily("kvpush_kv_transfer_post_seconds", "Time spent in the posting calls of the "
                                   "transfers in kvpush_kv_transfer_descriptors", value=t.post_s_total)
+        yield CounterMetricFamily("kvpush_kv_layer_writes", "P: WRITEs of layer-wise transfers that committed",
+                                  value=t.layer_writes_total)
         yield CounterMetricFamily("kvpush_kv_transfer_thread_rounds", "Loop rounds (wake-ups) of the transfer thread",
                                   value=t.thread_rounds)
         yield CounterMetricFamily("kvpush_kv_faults_injected", "Faults injected (testing only)",

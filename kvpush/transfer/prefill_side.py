@@ -255,6 +255,7 @@ class PrefillSide:
                                                       write_posted=time.time()))
         self.posted.metrics.received(t.num_bytes)  # counted when the whole transfer landed
         self.posted.metrics.descs.observe(float(t.num_descs))
+        self.posted.metrics.layer_writes_total += t.num_writes
         self._free(self.ledger.mark_done(rec.transfer_id))
 
     # ---- ends ------------------------------------------------------------------------------

@@ -39,6 +39,7 @@ class TransferStats(msgspec.Struct):
     time_s: Histogram | None = None
     descs: Histogram | None = None
     post_s_total: float = 0.0  # seconds spent in the posting calls of the transfers in `descs`
+    layer_writes_total: int = 0  # P: WRITEs of layer-wise transfers that committed (one or more layers each)
     ignored_unknown: int = 0
     ignored_stale: int = 0
     ignored_foreign: int = 0
@@ -64,6 +65,7 @@ class TransferMetrics:
         self.bytes_total = 0
         self.transfers_total = 0
         self.post_s_total = 0.0
+        self.layer_writes_total = 0
         self.bad_messages = 0
         self.handshakes = 0
         self.handshake_failures = 0
@@ -91,6 +93,7 @@ class TransferMetrics:
             bytes_total=self.bytes_total, transfers_total=self.transfers_total,
             time_s=msgspec.structs.replace(self.time_s, counts=list(self.time_s.counts)),
             descs=msgspec.structs.replace(self.descs, counts=list(self.descs.counts)), post_s_total=self.post_s_total,
+            layer_writes_total=self.layer_writes_total,
             ignored_unknown=c.ignored_unknown, ignored_stale=c.ignored_stale, ignored_foreign=c.ignored_foreign,
             ignored_unexpected=c.ignored_unexpected, duplicates=c.duplicates, bad_messages=self.bad_messages,
             handshakes=self.handshakes, handshake_failures=self.handshake_failures,

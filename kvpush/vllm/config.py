@@ -21,7 +21,7 @@ class ConnectorConfigError(KVPushError):
 
 
 class ConnectorOptions(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
-    mode: KVMode = KVMode.PUSH  # pull | push | auto (legs of either; P and D must both run auto)
+    mode: KVMode = KVMode.PUSH  # pull | push | push-layerwise | auto (legs of any; P and D must both run auto)
     role: Role | None = None  # prefill | decode; None: as vLLM's kv_role says (kv_both: either)
     kv_host: str = "127.0.0.1"  # the side channel binds here
     kv_advertise_host: str | None = None  # what peers are told to connect to (default: kv_host)
@@ -36,8 +36,6 @@ class ConnectorOptions(msgspec.Struct, forbid_unknown_fields=True, frozen=True, 
     faults: tuple[str, ...] = ()  # testing only: kvpush's --fault-inject specs, e.g. ["delay-post:6"]
 
     def __post_init__(self) -> None:
-        if self.mode is KVMode.PUSH_LAYERWISE:
-            raise ConnectorConfigError("mode must be pull, push or auto (push-layerwise is not supported inside vLLM)")
         if self.role is Role.COLOCATED:
             raise ConnectorConfigError("role must be prefill or decode")
         if not 0 <= self.idle_wait_ms <= 1000:

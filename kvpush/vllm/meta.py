@@ -59,17 +59,30 @@ class CancelJob:
     peer_engine_id: str | None
 
 
+@dataclass(frozen=True)
+class LayerJob:
+    """P, push-layerwise: this step's forward pass computes a prefill leg's KV for these blocks (the blocks
+    its scheduled tokens complete; the last chunk also its partial last block; blocks P's prefix cache
+    held are handed with the first chunk). After each layer, the worker hands that layer of them to the
+    transfer thread, which writes it to D once D has registered. A block is never handed twice."""
+
+    transfer_id: str
+    indices: tuple[int, ...]  # the blocks' positions in the request's block table
+    block_ids: tuple[int, ...]
+
+
 @dataclass
 class StepMeta:
     recv: list[RecvJob] = field(default_factory=list)
     hold: list[HoldJob] = field(default_factory=list)
     notify: list[NotifyJob] = field(default_factory=list)
     cancel: list[CancelJob] = field(default_factory=list)
+    layers: list[LayerJob] = field(default_factory=list)  # handed over layer by layer during this step
     idle: bool = False  # no tokens scheduled this step: the worker may wait a little for transfer events
     waiting: bool = False  # some transfer's outcome is awaited (what an idle step waits for)
 
     def __bool__(self) -> bool:
-        return bool(self.recv or self.hold or self.notify or self.cancel)
+        return bool(self.recv or self.hold or self.notify or self.cancel or self.layers)
 
 
 @dataclass

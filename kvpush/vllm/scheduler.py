@@ -14,6 +14,9 @@ Decode leg (D), a request's states as this half sees them:
     request_finished while the KV is arriving: CancelJob (vLLM keeps the request until the worker
     reports it in finished_recving, which it does once the transfer has ended).
 Prefill leg (P):
+    push-layerwise only: each step that schedules its prompt tokens hands the worker a LayerJob (the
+    blocks those tokens complete), written layer by layer during that step's forward pass; a
+    preemption cancels the leg (its handed blocks go back to vLLM at once: D recomputes)
     request_finished, stopped normally with its blocks: HoldJob, (True, P's answer): vLLM keeps the
     blocks until the worker reports the request in finished_sending (transfer done, D released or
     aborted, or the lease expired); ended otherwise: CancelJob (D is told), blocks freed at once.
@@ -35,7 +38,7 @@ from kvpush.protocol import kv_params as kp
 from kvpush.protocol.vllm_params import ConnectorInfo, KVAddress, prefill_result
 from kvpush.vllm import legs
 from kvpush.vllm.config import ConnectorOptions
-from kvpush.vllm.meta import CancelJob, HoldJob, NotifyJob, RecvJob, StepMeta, WorkerReport
+from kvpush.vllm.meta import CancelJob, HoldJob, LayerJob, NotifyJob, RecvJob, StepMeta, WorkerReport
 
 log = logging.getLogger("kvpush.vllm")
 STOPPED = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")  # vLLM's RequestStatus names of a normal end
@@ -52,6 +55,28 @@ class _Decode:
     def params(self) -> kp.DecodeLegParams:
         assert isinstance(self.leg.params, kp.DecodeLegParams)
         return self.leg.params
+
+
+@dataclass
+class _Layerwise:
+    """A push-layerwise prefill leg: its block table as vLLM's steps announce it, how much was handed."""
+
+    leg: legs.Leg
+    num_prompt_tokens: int
+    block_ids: list[int] = field(default_factory=list)
+    handed: int = 0  # blocks handed to the worker so far (never again)
+    cancelled: bool = False  # preempted after handing blocks: no Hold at the end
+
+
+@dataclass(frozen=True)
+class LegStep:
+    """What one vLLM step schedules for a push-layerwise prefill leg (from vLLM's SchedulerOutput)."""
+
+    request_id: str
+    num_computed_tokens: int  # before this step
+    num_scheduled_tokens: int
+    new_block_ids: tuple[int, ...]  # blocks allocated for it this step (all of them when resumed)
+    resumed: bool = False
 
 
 @dataclass
@@ -73,6 +98,7 @@ class SchedulerSide:
     held: dict[str, list[Any]] = field(default_factory=dict)  # D request -> blocks we hold a reference on
     sending: dict[str, str] = field(default_factory=dict)  # P request whose blocks vLLM keeps -> its transfer
     prefill_ids: set[str] = field(default_factory=set)  # transfer ids of P's live legs (one request each)
+    layerwise: dict[str, _Layerwise] = field(default_factory=dict)  # P request -> its push-layerwise leg
     counters: Counters = field(default_factory=Counters)
     _meta: StepMeta = field(default_factory=StepMeta)
 
@@ -94,6 +120,8 @@ class SchedulerSide:
             self.states[request.request_id] = parsed
             if isinstance(parsed, legs.Leg):
                 self.prefill_ids.add(parsed.params.transfer_id)
+                if parsed.params.mode is KVMode.PUSH_LAYERWISE:
+                    self.layerwise[request.request_id] = _Layerwise(parsed, request.num_prompt_tokens)
 
     def matched(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         st = self.states.get(request.request_id)
@@ -140,6 +168,10 @@ class SchedulerSide:
                 self._meta.cancel.append(CancelJob(Role.DECODE.value, st.params.transfer_id,
                                                    f"decode {request.status.name.lower()}", st.params.prefill_engine_id))
             return False, None
+        layerwise = self.layerwise.pop(request.request_id, None)
+        if layerwise is not None and layerwise.cancelled:
+            self.prefill_ids.discard(layerwise.leg.params.transfer_id)
+            return False, None  # cancelled at its preemption (D was told): nothing to hold
         if isinstance(st, legs.Leg):
             return self._prefill_done(request, st, block_ids)
         return False, None
@@ -176,11 +208,47 @@ class SchedulerSide:
         return out
 
     # ---- steps -------------------------------------------------------------------------------
-    def build_meta(self, num_scheduled_tokens: int) -> StepMeta:
+    def build_meta(self, num_scheduled_tokens: int, steps: tuple[LegStep, ...] = (),
+                   preempted: frozenset[str] = frozenset()) -> StepMeta:
+        """This step's jobs. ``steps``: what it schedules for push-layerwise legs; ``preempted``: the
+        requests vLLM preempted in it (their blocks are freed)."""
+        for request_id in preempted & self.layerwise.keys():
+            self._preempted(self.layerwise[request_id])
+        for step in steps:
+            self._layer_job(step)
         meta, self._meta = self._meta, StepMeta()
         meta.idle = num_scheduled_tokens == 0
         meta.waiting = bool(self.sending or self.held)
         return meta
+
+    def _layer_job(self, step: LegStep) -> None:
+        """The blocks this step's tokens complete (the last chunk: also its partial last block)."""
+        lw = self.layerwise.get(step.request_id)
+        if lw is None or lw.cancelled:
+            return
+        if step.resumed:
+            lw.block_ids = []
+        lw.block_ids += step.new_block_ids
+        end = step.num_computed_tokens + step.num_scheduled_tokens
+        last = -(-end // self.block_size) if end >= lw.num_prompt_tokens else end // self.block_size
+        last = min(last, len(lw.block_ids))
+        if last > lw.handed:
+            indices = tuple(range(lw.handed, last))
+            self._meta.layers.append(LayerJob(lw.leg.params.transfer_id, indices,
+                                              tuple(lw.block_ids[i] for i in indices)))
+            lw.handed = last
+
+    def _preempted(self, lw: _Layerwise) -> None:
+        """vLLM freed a push-layerwise leg's blocks: what was handed may be rewritten under a WRITE, so the
+        transfer is cancelled (D recomputes; its blocks stay quarantined) and nothing more is handed."""
+        if lw.handed == 0:
+            lw.block_ids = []  # nothing handed yet: it starts over when resumed
+            return
+        params = lw.leg.params
+        assert isinstance(params, kp.PrefillLegParams)
+        lw.cancelled = True
+        self._meta.cancel.append(CancelJob(Role.PREFILL.value, params.transfer_id, "prefill preempted",
+                                           params.decode_engine_id))
 
     def on_output(self, finished_sending: set[str] | None, finished_recving: set[str] | None,
                   report: WorkerReport | None) -> None:

@@ -4,8 +4,13 @@ One TransferRuntime per role this instance takes (kv_both: a prefill and a decod
 its own NIXL agent, side channel and transfer thread) over vLLM's KV caches as they are: one tensor per
 layer, ``[num_blocks, ...]`` each (transfer/descriptors.py: KVGeometry.from_layers). Each step:
 
-    apply(StepMeta)  RecvJob -> Register (push) / Read (pull); HoldJob -> Hold; NotifyJob -> Release /
+    begin_step(StepMeta)  (vLLM binds the step's metadata, before the forward pass) LayerJobs kept
+    layer_saved(l)   P, push-layerwise: vLLM's attention finished layer l of this step: its LayerJobs'
+                     blocks of that layer go to the transfer thread (LayersDone), which writes them
+    apply(StepMeta)  (vLLM 0.32 calls start_load_kv after the forward pass when no load is synchronous)
+                     RecvJob -> Register (push) / Read (pull); HoldJob -> Hold; NotifyJob -> Release /
                      Abort to P; CancelJob -> Cancel. Nothing here blocks on the network.
+    end_step()       (vLLM clears the metadata) LayerJobs dropped
     results(...)     the runtimes' events -> vLLM's sets:
                        P: FreeBlocks(transfer)  -> finished_sending (vLLM frees the request's blocks)
                        D: KVReady               -> finished_recving, blocks released
@@ -32,7 +37,7 @@ from kvpush.config import Role, apply_ucx_environment
 from kvpush.errors import TransferError
 from kvpush.protocol.vllm_params import KVAddress
 from kvpush.transfer import protocol as pr
-from kvpush.transfer.commands import Cancel, Hold, PeerAddr, Read, Register, SendNotif
+from kvpush.transfer.commands import Cancel, Hold, LayersDone, PeerAddr, Read, Register, SendNotif
 from kvpush.transfer.events import FreeBlocks, KVFailed, KVReady
 from kvpush.transfer.runtime import TransferRuntime
 from kvpush.transfer.stats import TransferStats
@@ -68,13 +73,20 @@ class WorkerSide:
         self._quarantined: dict[int, tuple[str, str]] = {}  # D block -> (request, transfer) failed, not all back
         self._unreleased: dict[str, set[int]] = {}
         self._holds: dict[str, str] = {}  # P transfer -> request
+        self._layer_of: dict[str, int] = {}  # vLLM's layer name -> layer index in the registered layout
+        self._layer_items: tuple[tuple[str, tuple[int, ...], tuple[int, ...]], ...] = ()  # this step's LayerJobs
+        self._device: torch.device | None = None
         self.fallbacks = 0  # D: requests computed locally (or failed) instead of receiving their KV
         self.block_size = 0
         self.changed = False  # a transfer event since the counters were last shipped
 
-    def start(self, layers: Sequence[torch.Tensor], shape: KVShape, model_id: str, kv_format: str) -> None:
-        """Register vLLM's KV caches (one tensor per layer) and start a runtime per role."""
+    def start(self, layers: Sequence[torch.Tensor], shape: KVShape, model_id: str, kv_format: str,
+              names: Sequence[str] = ()) -> None:
+        """Register vLLM's KV caches (one tensor per layer, named ``names`` in vLLM, in that order) and
+        start a runtime per role."""
         apply_ucx_environment(gpu=layers[0].is_cuda)  # before the first NIXL agent of this process
+        self._layer_of = {name: i for i, name in enumerate(names)}
+        self._device = layers[0].device
         config = self.options.transfer()
         self.block_size = shape.block_size
         for i, role in enumerate(self.roles):
@@ -100,6 +112,25 @@ class WorkerSide:
             self._notify(notify)
         for cancel in meta.cancel:
             self._cancel(cancel)
+
+    def begin_step(self, meta: StepMeta) -> None:
+        """The step's metadata is bound, before its forward pass: its LayerJobs go out layer by layer."""
+        self._layer_items = tuple((j.transfer_id, j.indices, j.block_ids) for j in meta.layers)
+
+    def end_step(self) -> None:
+        """The step is over: a later forward pass (without metadata of its own) hands nothing again."""
+        self._layer_items = ()
+
+    def layer_saved(self, layer_name: str) -> None:
+        """vLLM finished ``layer_name`` of this step's forward pass (its save_kv_layer hook)."""
+        if not self._layer_items:
+            return
+        layer = self._layer_of.get(layer_name)
+        if layer is None:
+            raise TransferError(f"save_kv_layer for {layer_name!r}, a layer vLLM did not register")
+        if self._device is not None and self._device.type == "cuda":
+            torch.cuda.current_stream(self._device).synchronize()  # the layer's KV writes are only queued
+        self.runtimes[Role.PREFILL].thread.submit(LayersDone(layer, self._layer_items))
 
     def _recv(self, job: RecvJob) -> None:
         p, rt = job.leg, self.runtimes[Role.DECODE]
