@@ -32,7 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
-from kvpush.config import OnKVFailure, Role
+from kvpush.config import KVMode, OnKVFailure, Role
 from kvpush.protocol.vllm_params import KVAddress
 from kvpush.vllm.config import ConnectorConfigError, ConnectorOptions
 from kvpush.vllm.meta import StepMeta, WorkerReport
@@ -48,6 +48,7 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
+log = logging.getLogger("kvpush.vllm")
 TESTED_VLLM = ("0.32.",)
 STATS_INTERVAL_S = 1.0  # the worker ships its counters with each step that saw a transfer event, else this often
 if not vllm.__version__.startswith(TESTED_VLLM):
@@ -115,10 +116,15 @@ class KVPushConnector(KVConnectorBase_V1):
         self._worker: WorkerSide | None = None
         self._report = WorkerReport()
         self._stats_at = 0.0
+        unsafe = _layerwise_unsafe(vllm_config)
+        if unsafe and self.options.mode is KVMode.PUSH_LAYERWISE:
+            raise ConnectorConfigError(f"mode push-layerwise cannot run with {unsafe}")
         if role == KVConnectorRole.SCHEDULER:
             # vLLM reads its policy after building the connector: the connector's option decides it.
             ktc.kv_load_failure_policy = "recompute" if self.options.on_kv_failure is OnKVFailure.RECOMPUTE else "fail"
-            self._scheduler = SchedulerSide(self.options, self.roles, self.block_size)
+            self._scheduler = SchedulerSide(self.options, self.roles, self.block_size, layerwise_ok=not unsafe)
+            if unsafe and self.options.mode is KVMode.AUTO:
+                log.info("kvpush: push-layerwise legs are written whole here (%s)", unsafe)
         else:
             self._worker = WorkerSide(self.options, self.roles)
 
@@ -227,6 +233,15 @@ class KVPushConnector(KVConnectorBase_V1):
     def has_pending_push_work(self) -> bool:
         return self._scheduler is not None and self._scheduler.has_pending_work()
 
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """save_kv_layer must run between layers: a full CUDA graph's replay would skip it."""
+        try:
+            mode = ConnectorOptions.parse(extra_config).mode
+        except ConnectorConfigError:
+            return False  # the connector's own construction reports the bad option
+        return mode in (KVMode.PUSH_LAYERWISE, KVMode.AUTO)
+
     # ---- stats (vLLM's API-server process) ---------------------------------------------------
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
@@ -246,6 +261,19 @@ def _log_into_vllm() -> None:
             ours.addHandler(handler)
         ours.setLevel(theirs.getEffectiveLevel())
         ours.propagate = False
+
+
+def _layerwise_unsafe(vllm_config: VllmConfig) -> str | None:
+    """Why this vLLM configuration cannot hand KV over layer by layer (None: it can). Micro-batches run
+    the forward pass per batch half (a layer of the other half is not written yet), a draft model's
+    forward may skip layers in a step, and a sliding window frees blocks a later WRITE would read."""
+    if vllm_config.parallel_config.use_ubatching:
+        return "micro-batching (dual batch overlap)"
+    if vllm_config.speculative_config is not None:
+        return "speculative decoding"
+    if vllm_config.model_config.get_sliding_window() is not None:
+        return "a sliding-window model"
+    return None
 
 
 def _layerwise_steps(out: SchedulerOutput, wanted: Any) -> tuple[LegStep, ...]:

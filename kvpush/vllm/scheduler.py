@@ -99,6 +99,7 @@ class SchedulerSide:
     sending: dict[str, str] = field(default_factory=dict)  # P request whose blocks vLLM keeps -> its transfer
     prefill_ids: set[str] = field(default_factory=set)  # transfer ids of P's live legs (one request each)
     layerwise: dict[str, _Layerwise] = field(default_factory=dict)  # P request -> its push-layerwise leg
+    layerwise_ok: bool = True  # False: vLLM's configuration forbids it; push-layerwise legs are written whole
     counters: Counters = field(default_factory=Counters)
     _meta: StepMeta = field(default_factory=StepMeta)
 
@@ -120,7 +121,7 @@ class SchedulerSide:
             self.states[request.request_id] = parsed
             if isinstance(parsed, legs.Leg):
                 self.prefill_ids.add(parsed.params.transfer_id)
-                if parsed.params.mode is KVMode.PUSH_LAYERWISE:
+                if parsed.params.mode is KVMode.PUSH_LAYERWISE and self.layerwise_ok:
                     self.layerwise[request.request_id] = _Layerwise(parsed, request.num_prompt_tokens)
 
     def matched(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
@@ -169,14 +170,14 @@ class SchedulerSide:
                                                    f"decode {request.status.name.lower()}", st.params.prefill_engine_id))
             return False, None
         layerwise = self.layerwise.pop(request.request_id, None)
-        if layerwise is not None and layerwise.cancelled:
-            self.prefill_ids.discard(layerwise.leg.params.transfer_id)
-            return False, None  # cancelled at its preemption (D was told): nothing to hold
         if isinstance(st, legs.Leg):
-            return self._prefill_done(request, st, block_ids)
+            return self._prefill_done(request, st, block_ids, hold=layerwise is None or not layerwise.cancelled)
         return False, None
 
-    def _prefill_done(self, request: Any, leg: legs.Leg, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def _prefill_done(self, request: Any, leg: legs.Leg, block_ids: list[int],
+                      hold: bool = True) -> tuple[bool, dict[str, Any] | None]:
+        """P's answer. ``hold`` False: the transfer was cancelled at a preemption (D was told and
+        recomputes): the blocks are freed at once, and P still answers as usual (the proxy waits for D)."""
         params = leg.params
         assert isinstance(params, kp.PrefillLegParams)
         n = request.num_prompt_tokens
@@ -189,16 +190,19 @@ class SchedulerSide:
         address = self.addresses[Role.PREFILL]
         lease = time.time() + self.options.kv_lease_s
         first = int(request.output_token_ids[0])
-        self._meta.hold.append(HoldJob(request.request_id, params, blocks, n, first, lease))
-        self.sending[request.request_id] = params.transfer_id
-        self.counters.held_prefills += 1
+        if hold:
+            self._meta.hold.append(HoldJob(request.request_id, params, blocks, n, first, lease))
+            self.sending[request.request_id] = params.transfer_id
+            self.counters.held_prefills += 1
+        else:
+            self.prefill_ids.discard(params.transfer_id)
         pull = params.mode is KVMode.PULL
         result = kp.PrefillResult(transfer_id=params.transfer_id, mode=params.mode,
                                   prefill_engine_id=address.engine_id, prefill_kv_host=address.kv_host,
                                   prefill_kv_port=address.kv_port, num_tokens=n,
                                   block_ids=list(blocks) if pull else [], lease_expiry=lease if pull else None,
                                   first_token_id=first)
-        return True, prefill_result(result) if leg.vllm_shaped else kp.params_to_dict(result)
+        return hold, prefill_result(result) if leg.vllm_shaped else kp.params_to_dict(result)
 
     def info(self) -> dict[str, Any]:
         """The answer to an InfoQuery (the proxy's discovery of a vLLM instance)."""
@@ -224,13 +228,15 @@ class SchedulerSide:
     def _layer_job(self, step: LegStep) -> None:
         """The blocks this step's tokens complete (the last chunk: also its partial last block)."""
         lw = self.layerwise.get(step.request_id)
+        if lw is not None and step.resumed and lw.handed and not lw.cancelled:
+            self._preempted(lw)  # resumed with new blocks, its preemption unseen: what was handed is stale
         if lw is None or lw.cancelled:
             return
         if step.resumed:
             lw.block_ids = []
         lw.block_ids += step.new_block_ids
-        end = step.num_computed_tokens + step.num_scheduled_tokens
-        last = -(-end // self.block_size) if end >= lw.num_prompt_tokens else end // self.block_size
+        end = min(step.num_computed_tokens + step.num_scheduled_tokens, lw.num_prompt_tokens)  # decode: none
+        last = -(-end // self.block_size) if end == lw.num_prompt_tokens else end // self.block_size
         last = min(last, len(lw.block_ids))
         if last > lw.handed:
             indices = tuple(range(lw.handed, last))
@@ -241,6 +247,8 @@ class SchedulerSide:
     def _preempted(self, lw: _Layerwise) -> None:
         """vLLM freed a push-layerwise leg's blocks: what was handed may be rewritten under a WRITE, so the
         transfer is cancelled (D recomputes; its blocks stay quarantined) and nothing more is handed."""
+        if lw.cancelled:
+            return
         if lw.handed == 0:
             lw.block_ids = []  # nothing handed yet: it starts over when resumed
             return

@@ -76,6 +76,7 @@ class WorkerSide:
         self._layer_of: dict[str, int] = {}  # vLLM's layer name -> layer index in the registered layout
         self._layer_items: tuple[tuple[str, tuple[int, ...], tuple[int, ...]], ...] = ()  # this step's LayerJobs
         self._device: torch.device | None = None
+        self._unknown_layers: set[str] = set()
         self.fallbacks = 0  # D: requests computed locally (or failed) instead of receiving their KV
         self.block_size = 0
         self.changed = False  # a transfer event since the counters were last shipped
@@ -126,8 +127,11 @@ class WorkerSide:
         if not self._layer_items:
             return
         layer = self._layer_of.get(layer_name)
-        if layer is None:
-            raise TransferError(f"save_kv_layer for {layer_name!r}, a layer vLLM did not register")
+        if layer is None:  # not a KV cache layer of ours: never stop vLLM's forward pass over it
+            if layer_name not in self._unknown_layers:
+                self._unknown_layers.add(layer_name)
+                log.warning("save_kv_layer for %r, a layer vLLM did not register KV for: ignored", layer_name)
+            return
         if self._device is not None and self._device.type == "cuda":
             torch.cuda.current_stream(self._device).synchronize()  # the layer's KV writes are only queued
         self.runtimes[Role.PREFILL].thread.submit(LayersDone(layer, self._layer_items))
