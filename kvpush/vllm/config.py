@@ -33,7 +33,7 @@ class ConnectorOptions(msgspec.Struct, forbid_unknown_fields=True, frozen=True, 
     kv_writes_per_peer: int = 1  # P: whole-request WRITEs in flight to one D at a time (0: no limit)
     on_kv_failure: OnKVFailure = OnKVFailure.RECOMPUTE  # D: recompute locally, or fail the request
     idle_wait_ms: float = 10.0  # an empty engine step waits this long at most for a transfer event
-    faults: tuple[str, ...] = ()  # testing only: kvpush's --fault-inject specs, e.g. ["delay-post:6"]
+    faults: tuple[str, ...] = ()  # testing only: kvpush's --fault-inject specs, e.g. ["delay-post:4"]
 
     def __post_init__(self) -> None:
         if self.role is Role.COLOCATED:
