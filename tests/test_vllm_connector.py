@@ -41,7 +41,9 @@ def vllm_pd(tmp_path_factory):
     logs = tmp_path_factory.mktemp("vllm-connector")
     model = make_model(str(tmp_path_factory.mktemp("models") / "bench"), preset="bench", seed=0)
     config = connector_config(mode="auto", kv_timeout_s=TIMEOUT_S, kv_quarantine_s=1.0, kv_lease_s=30)
-    procs = [vllm_server(model, logs / "p.log", config), vllm_server(model, logs / "d.log", config)]
+    # P's and D's OpenMP threads on separate cores: on one, a burst (16 at once) slows D's /health past the
+    # proxy's 2-s probe and the proxy answers 503 until it sees D again (seen 2026-12-07, 3 runs in 7)
+    procs = [vllm_server(model, logs / "p.log", config, core=0), vllm_server(model, logs / "d.log", config, core=1)]
     try:
         for proc in procs:
             proc.start()
