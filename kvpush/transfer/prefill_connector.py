@@ -24,6 +24,7 @@ from kvpush.engine.request import Request, RequestStatus
 from kvpush.protocol.kv_params import PrefillLegParams, PrefillResult, RequestLegParams
 from kvpush.transfer.commands import Cancel, Hold, LayersDone
 from kvpush.transfer.events import FreeBlocks
+from kvpush.transfer.layerwise import blocks_complete
 from kvpush.transfer.runtime import RuntimeConnector, TransferRuntime
 
 
@@ -57,8 +58,7 @@ class PrefillConnector(RuntimeConnector):
             st = request.kv_state
             if not isinstance(st, PrefillState) or st.params.mode is not KVMode.PUSH_LAYERWISE:
                 continue
-            end = request.num_computed_tokens + n
-            last = -(-end // bs) if end >= request.num_prompt_tokens else end // bs
+            last = blocks_complete(request.num_computed_tokens + n, request.num_prompt_tokens, bs)
             if last > st.handed:
                 indices = tuple(range(st.handed, last))
                 items.append((st.params.transfer_id, indices, tuple(request.block_table[i] for i in indices)))

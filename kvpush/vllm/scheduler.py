@@ -36,6 +36,7 @@ from kvpush.config import KVMode, Role
 from kvpush.errors import InvalidRequestError
 from kvpush.protocol import kv_params as kp
 from kvpush.protocol.vllm_params import ConnectorInfo, KVAddress, prefill_result
+from kvpush.transfer.layerwise import blocks_complete
 from kvpush.vllm import legs
 from kvpush.vllm.config import ConnectorOptions
 from kvpush.vllm.meta import CancelJob, HoldJob, LayerJob, NotifyJob, RecvJob, StepMeta, WorkerReport
@@ -228,16 +229,17 @@ class SchedulerSide:
     def _layer_job(self, step: LegStep) -> None:
         """The blocks this step's tokens complete (the last chunk: also its partial last block)."""
         lw = self.layerwise.get(step.request_id)
-        if lw is not None and step.resumed and lw.handed and not lw.cancelled:
+        if lw is None:
+            return
+        if step.resumed and lw.handed:
             self._preempted(lw)  # resumed with new blocks, its preemption unseen: what was handed is stale
-        if lw is None or lw.cancelled:
+        if lw.cancelled:
             return
         if step.resumed:
             lw.block_ids = []
         lw.block_ids += step.new_block_ids
-        end = min(step.num_computed_tokens + step.num_scheduled_tokens, lw.num_prompt_tokens)  # decode: none
-        last = -(-end // self.block_size) if end == lw.num_prompt_tokens else end // self.block_size
-        last = min(last, len(lw.block_ids))
+        end = step.num_computed_tokens + step.num_scheduled_tokens  # past the prompt (decode): nothing more
+        last = min(blocks_complete(end, lw.num_prompt_tokens, self.block_size), len(lw.block_ids))
         if last > lw.handed:
             indices = tuple(range(lw.handed, last))
             self._meta.layers.append(LayerJob(lw.leg.params.transfer_id, indices,
