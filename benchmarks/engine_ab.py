@@ -6,7 +6,9 @@
 
 Builds one LLMEngine per variant (settings: `compile=on|off|auto`, `huge_pages=on|off`,
 `trim=on|off`: the heap trimmed before each timed workload, `linear=auto|mkl|onednn`: the
-linear layers' backend, --linear-backend; default auto, what this machine's calibration chose), then per
+linear layers' backend, --linear-backend; default auto, what this machine's calibration chose;
+`wrapper=cpp|python`: the compiled graph's wrapper, inductor's C++ one (kvpush's default on CPU) or
+Python; each compiled variant gets a graph of its own, engine/compiler.py's separate_graphs), then per
 repeat runs every workload on both engines, the order alternating between repeats, so that the
 machine's drift (+-15% here from one minute to the next) hits both alike. Workloads: `decodeN`
 (N sequences of 64 prompt tokens decode 32 steps together; ms per step), `prefillN` (one N-token
@@ -35,12 +37,13 @@ from kvpush.config import (
     SchedulerConfig,
     default_model_dir,
 )
+from kvpush.engine.compiler import separate_graphs
 from kvpush.engine.engine import LLMEngine
 from kvpush.engine.native_memory import trim_heap
 
 # trim=on: malloc_trim right before each timed workload of that variant, as the engine core does when idle
 SETTINGS = {"compile": ("on", "off", "auto"), "huge_pages": ("on", "off"), "trim": ("on", "off"),
-            "linear": ("auto", "mkl", "onednn")}
+            "linear": ("auto", "mkl", "onednn"), "wrapper": ("cpp", "python")}
 DECODE_STEPS = 32
 
 
@@ -57,12 +60,13 @@ def variant(text: str) -> dict[str, str]:
 
 
 def build(model: str, settings: dict[str, str]) -> LLMEngine:
-    return LLMEngine(EngineConfig(
-        ModelConfig(model, huge_pages=settings.get("huge_pages", "on") == "on"),
-        CacheConfig(num_blocks=2048, enable_prefix_caching=False),
-        SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=4096),
-        compile=CompileMode(settings.get("compile", "auto")),
-        linear_backend=LinearBackend(settings.get("linear", "auto"))))
+    with separate_graphs(cpp_wrapper=settings.get("wrapper", "cpp") == "cpp"):
+        return LLMEngine(EngineConfig(
+            ModelConfig(model, huge_pages=settings.get("huge_pages", "on") == "on"),
+            CacheConfig(num_blocks=2048, enable_prefix_caching=False),
+            SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=4096),
+            compile=CompileMode(settings.get("compile", "auto")),
+            linear_backend=LinearBackend(settings.get("linear", "auto"))))
 
 
 def parse_workload(name: str) -> tuple[str, int] | None:

@@ -2,12 +2,19 @@
 
 `decoder_layers` (models/decoder.py: embedding and every layer) compiles into one graph with the
 token count as a symbolic size (dim 0 of input_ids and positions), so the same graph serves every
-batch of two or more tokens; a one-token batch (one decoding sequence) gets its own graph, as
-dynamo specialises sizes 0 and 1. Paged attention is one opaque op inside the graph (its own
+batch. The size is *unbacked* (mark_unbacked): dynamo would otherwise specialise sizes 0 and 1 and
+compile a second graph for the one-token batch (one decoding sequence), which cost ~7 s of a cold
+start (of ~31 s, 2026-12-07) and measured no faster (benchmarks/engine_ab.py-style A/B, decode 1:
+0.95 [0.94, 1.02], cannot tell). The inputs must each own their storage (a view's storage offset
+would be guarded, and specialised). Paged attention is one opaque op inside the graph (its own
 kernels - the CPU decode kernel, SDPA - beat inductor-generated attention here). One graph per
 forward, not one per layer piece: the guard check and the graph call cost ~0.3 ms per call on
 one core, which 16 piece calls a step made larger than the fusion gained for decode batches.
-The warm-up runs a two-token and a one-token batch, so a running server does not compile again:
+On CPU the graph's wrapper (the code that calls its kernels, the linears' GEMMs and the attention
+op in turn) is C++ (inductor's cpp_wrapper), not Python: ~100 calls a forward at ~10 us of Python
+each were ~15% of a batch-16 decode step (2026-12-07, Intel fam 6 model 167: 12.8 vs 15.2 ms a
+step, batch 1 4.5 vs 4.8; a cold compile ~1 s longer, 24.5 vs 23.5 s).
+The warm-up runs one two-token batch, so a running server does not compile again:
 `num_graphs` counts graphs compiled in this process (an engine stat and a metric).
 
 A compiler is never a hard requirement: in `auto` mode a failure to build (no C++ compiler, an
@@ -16,8 +23,10 @@ inductor error) leaves the model eager with one log line; in `on` mode it raises
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable
+import types
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -27,9 +36,10 @@ from kvpush.models.decoder import CausalLM, decoder_layers
 
 log = logging.getLogger(__name__)
 
-WARM_UP_TOKENS = (2, 1)  # one forward per graph: the symbolic token count, and the one-token batch
+WARM_UP_TOKENS = (2,)  # one forward compiles the one graph
 RECOMPILE_LIMIT = 64  # graphs of decoder_layers; engines in one process (tests) each add a few
 _num_graphs = 0
+_variant: dict[str, bool] = {}  # set by separate_graphs() (benchmarks' A/B)
 
 
 def num_graphs() -> int:
@@ -47,15 +57,33 @@ def _counting_inductor(gm: torch.fx.GraphModule, example_inputs: list) -> Callab
 
 def _compile(fn: Callable) -> Callable:
     """fn(model, input_ids, positions) compiled with the token count (dim 0 of both tensors)
-    symbolic and every other size, weights' included, static."""
+    symbolic, never specialised, and every other size, weights' included, static."""
     compiled = torch.compile(fn, backend=_counting_inductor, dynamic=None)
+    mark = torch._dynamo.decorators.mark_unbacked
 
     def run(model, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        torch._dynamo.maybe_mark_dynamic(input_ids, 0)
-        torch._dynamo.maybe_mark_dynamic(positions, 0)
+        mark(input_ids, 0)
+        mark(positions, 0)
         return compiled(model, input_ids, positions)
 
     return run
+
+
+@contextlib.contextmanager
+def separate_graphs(cpp_wrapper: bool = True) -> Iterator[None]:
+    """For A/B benchmarks (benchmarks/engine_ab.py): an engine built inside compiles a graph of its own
+    (dynamo would otherwise serve it another engine's graph of the same shapes) with inductor's C++
+    wrapper on or off."""
+    _variant["cpp_wrapper"] = cpp_wrapper
+    try:
+        yield
+    finally:
+        _variant.clear()
+
+
+def _own_copy(fn: Callable) -> Callable:
+    """fn with a code object of its own: dynamo keeps its graphs per code object."""
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
 def compile_model(model: CausalLM, mode: CompileMode, warm_up: Callable[[int], None]) -> bool:
@@ -71,14 +99,18 @@ def compile_model(model: CausalLM, mode: CompileMode, warm_up: Callable[[int], N
     import torch._inductor.config
 
     torch._inductor.config.compile_threads = 1  # compile in this process, on the one core it has
+    cpp_wrapper = next(model.parameters()).device.type == "cpu" and _variant.get("cpp_wrapper", True)
+    if cpp_wrapper:
+        torch._inductor.config.cpp_wrapper = True  # see the module docstring
     torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT
     # Without this the warm-up's token count would be unified with any weight dimension of the same
     # size (duck shaping) and the graph specialised to it: every other count would recompile.
     torch.fx.experimental._config.use_duck_shape = False
-    model.compiled_layers = _compile(decoder_layers)
+    model.compiled_layers = _compile(_own_copy(decoder_layers) if _variant else decoder_layers)
     try:
-        for tokens in WARM_UP_TOKENS:
-            warm_up(tokens)
+        with torch._inductor.config.patch(cpp_wrapper=cpp_wrapper):
+            for tokens in WARM_UP_TOKENS:
+                warm_up(tokens)
     except (torch._dynamo.exc.TorchDynamoException, RuntimeError, OSError) as e:
         model.compiled_layers = None
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

@@ -116,13 +116,15 @@ class ModelRunner:
             if request.num_computed_tokens + n == request.num_tokens:
                 rows.append(len(ids) - 1)
                 sampled.append(request)
-        flat = torch.tensor([ids, positions, blocks], dtype=torch.long).to(self.device)  # [3, T]
-        meta = AttentionMetadata(slot_rows=self.cache.slot_rows(flat[2], flat[1] % bs))
+        # Each tensor its own storage: the compiled graph would guard on a view's storage offset.
+        ids_t, positions_t, blocks_t = (torch.tensor(x, dtype=torch.long).to(self.device)  # [T] each
+                                        for x in (ids, positions, blocks))
+        meta = AttentionMetadata(slot_rows=self.cache.slot_rows(blocks_t, positions_t % bs))
         if decodes:
             self._decode_metadata(meta, decodes)
         self._prefill_metadata(meta, ordered[len(decodes):], len(decodes))
         logit_rows = torch.tensor(rows, dtype=torch.long, device=self.device)
-        return ModelInput(flat[0], flat[1], meta, logit_rows, sampled)
+        return ModelInput(ids_t, positions_t, meta, logit_rows, sampled)
 
     def _decode_metadata(self, meta: AttentionMetadata, decodes: list[tuple[Request, int]]) -> None:
         bs = self.block_size
