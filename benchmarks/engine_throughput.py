@@ -14,7 +14,9 @@ For decode it also measures "linears alone": the model's own linear layers (ever
 engine's model, on its backend, in forward order, the LM head included) applied to a batch of random rows, each
 weight read once per step as in a decode step, nothing else. No engine that computes this model in
 fp32 with these matrix products can step faster than that; the last lines say how much of the
-2x-transformers budget of a batch-16 step it takes.
+2x-transformers budget of a batch-16 step it takes, and how long each kvpush engine's decode step is
+against it (issue 39's target: within 1.5x), as a paired ratio over the repeats with a 95% interval:
+the two move together with the machine's speed, their ratio much less.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import time
 import torch
 
 from kvpush.bench.machine import machine_line
+from kvpush.bench.stats import fmt_ci, p50, ratio_ci
 from kvpush.config import CacheConfig, CompileMode, EngineConfig, LinearBackend, ModelConfig, SchedulerConfig
 from kvpush.engine.engine import LLMEngine
 from kvpush.engine.sampling_params import SamplingParams
@@ -140,6 +143,7 @@ def main() -> None:
     workloads += [(f"decode batch {b}", lambda e, s, b=b: kv_decode(e, b, args.decode_steps, s),
                    lambda s, b=b: hf_decode(hf, b, args.decode_steps, s, vocab)) for b in (1, 16)]
     rows = []
+    steps_over_linears: dict[tuple[str, int], tuple[float, float, float]] = {}
     floor_engine = next(iter(engines.values()))
     for name, ours, theirs in workloads:
         samples: dict[str, list[float]] = {mode: [] for mode in [*engines, "hf", "linears"]}
@@ -151,6 +155,8 @@ def main() -> None:
             if batch:
                 samples["linears"].append(linears_alone(floor_engine, batch, args.decode_steps, s))
         rows.append((name, {k: statistics.median(v) for k, v in samples.items() if v}))
+        for mode in engines if batch and args.repeats >= 3 else ():  # tok/s: linears' / the engine's = step / linears
+            steps_over_linears[(mode, batch)] = ratio_ci(samples["linears"], samples[mode], stat=p50, paired=True)
     backends = ", ".join(f"compile={m} {e.linear_choice.backend.value} ({e.linear_choice.source})"
                          for m, e in engines.items())
     print(f"\n{machine_line()}\nmodel {path}, torch threads 1, medians of {args.repeats}; linear backend: "
@@ -171,6 +177,9 @@ def main() -> None:
     print(f"decode batch 16: 2x transformers means a step of {budget_ms:.2f} ms; the linears alone take "
           f"{linears_ms:.2f} ms of it ({linears_ms / budget_ms:.0%}), at most {b16['linears'] / b16['hf']:.2f}x "
           f"transformers for an engine that did nothing else")
+    for (mode, batch), (est, lo, hi) in steps_over_linears.items():
+        print(f"kvpush compile={mode}: a decode step at batch {batch} / linears alone: {fmt_ci(est, lo, hi)} "
+              f"(paired over {args.repeats} repeats; issue 39's target <= 1.5)")
 
 
 if __name__ == "__main__":

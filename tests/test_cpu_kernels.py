@@ -1,5 +1,6 @@
 """The CPU decode-attention kernel (kvpush/layers/cpu_kernels.py): equal to gather + SDPA over the
-paged cache, harmless to the process's floating point, optional where no C compiler builds it."""
+paged cache, harmless to the process's floating point, optional where no C compiler builds it; and
+its row copy (KVCache.write's fast path): the same bytes as the torch ops, or it declines."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from test_engine import generate, prompts
 from kvpush.config import CacheConfig, CompileMode, EngineConfig, ModelConfig
 from kvpush.engine.engine import LLMEngine
 from kvpush.engine.sampling_params import SamplingParams
+from kvpush.engine.kv_cache import KVCache, KVLayout
 from kvpush.layers.cpu_kernels import paged_decode_kernel
 
 kernel = paged_decode_kernel()
@@ -34,7 +36,8 @@ def reference(q, kv, table, lens, layer, scale):
 
 
 @needs_kernel
-@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(6, 3, 64, 16), (4, 4, 32, 4), (8, 2, 128, 8)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size",  # head sizes of each of the kernel's paths
+                         [(6, 3, 64, 16), (4, 4, 32, 4), (8, 2, 128, 8), (2, 1, 40, 4), (3, 3, 20, 8)])
 def test_kernel_equals_gather_and_sdpa(heads, kv_heads, head_dim, block_size):
     g = torch.Generator().manual_seed(heads * 100 + head_dim)
     num_blocks, layers = 64, 3
@@ -92,3 +95,38 @@ def test_without_a_c_compiler_attention_gathers(tiny_model, tmp_path):
     assert proc.returncode == 0, out
     assert "SERVED kernel=False" in out
     assert len([line for line in out.splitlines() if "decode attention gathers blocks instead" in line]) == 1, out
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_copy_writes_what_the_torch_ops_write(dtype):
+    layout = KVLayout(num_blocks=6, num_layers=3, block_size=4, num_kv_heads=2, head_dim=8, dtype=dtype)
+    fast, slow = KVCache(layout), KVCache(layout)
+    assert fast.row_writer is not None
+    slow.row_writer = None
+    g = torch.Generator().manual_seed(1)
+    qkv = torch.randn(5, 4 * 16, generator=g).to(dtype)  # a fused projection's output
+    q, k, v = qkv.split([32, 16, 16], dim=-1)  # views: each token's row contiguous, tokens 64 apart
+    k, v = k.view(5, 2, 8), v.view(5, 2, 8)
+    blocks, offsets = torch.tensor([5, 5, 0, 3, 1]), torch.tensor([0, 3, 1, 2, 3])
+    for cache in (fast, slow):
+        rows = cache.slot_rows(blocks, offsets)
+        cache.write(2, rows, k, v)
+        cache.write(0, rows, k.contiguous() * 2, v.contiguous())
+    assert torch.equal(fast.kv, slow.kv)
+    assert fast.kv.count_nonzero() > 0
+
+
+@needs_kernel
+def test_row_copy_declines_what_it_cannot_copy():
+    layout = KVLayout(num_blocks=2, num_layers=1, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.float32)
+    cache = KVCache(layout)
+    writer = cache.row_writer
+    assert writer is not None
+    rows = cache.slot_rows(torch.tensor([1, 0]), torch.tensor([0, 1]))
+    k = torch.randn(2, 2, 8)
+    for bad_k, bad_v in ((k.double(), k), (k.transpose(1, 2).contiguous().transpose(1, 2), k), (k, k[:1])):
+        assert not writer(cache.kv, rows, bad_k, bad_v, 0)
+    assert cache.kv.count_nonzero() == 0
+    cache.write(0, rows, k.transpose(1, 2).contiguous().transpose(1, 2), k)  # the torch ops take it
+    assert torch.equal(cache.kv.view(-1, 16)[rows[0]], k[0].flatten())

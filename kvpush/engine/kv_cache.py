@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from kvpush.engine.native_memory import advise_huge_pages
+from kvpush.layers.cpu_kernels import RowWriter, row_writer
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +70,8 @@ class KVCache:
     def __init__(self, layout: KVLayout, device: torch.device | str = "cpu") -> None:
         self.layout = layout
         self.kv = allocate_kv(layout.shape, layout.dtype, device)  # [N, L, 2, bs, kvh, hd]
+        # write()'s fast path in host memory: one C call (layers/cpu_kernels.py); None: torch ops
+        self.row_writer: RowWriter | None = row_writer() if self.kv.device.type == "cpu" else None
 
     @property
     def base_ptr(self) -> int:
@@ -94,6 +97,8 @@ class KVCache:
     def write(self, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new keys and values with one row copy. rows: [2T] from slot_rows; k, v: [T, kvh, hd]."""
         lay = self.layout
+        if self.row_writer is not None and self.row_writer(self.kv, rows, k, v, layer * 2 * lay.block_size):
+            return
         flat = self.kv.view(-1, lay.num_kv_heads * lay.head_dim)  # [N * L * 2 * bs, kvh * hd]
         flat.index_copy_(0, rows + layer * 2 * lay.block_size, torch.cat([k, v]).view(rows.shape[0], -1))
 
