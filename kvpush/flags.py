@@ -283,7 +283,9 @@ def _add_routing_arguments(g: argparse._ArgumentGroup) -> None:
                    help="how KV moves from P to D (auto: chosen per request); the same on every instance")
     g.add_argument("--first-token", default=_default(ProxyConfig, "first_token").value,
                    choices=[m.value for m in FirstToken],
-                   help="D recomputes the last prompt position, or uses the token P sampled")
+                   help="D recomputes the last prompt position, or uses the token P sampled (a vLLM decode "
+                        "instance always recomputes; with from-prefill the proxy streams P's token to the "
+                        "client first for greedy streamed requests)")
     g.add_argument("--policy", default=_default(ProxyConfig, "policy"), choices=["round-robin", "least-loaded"],
                    help="how the proxy picks a P and a D among healthy instances")
 

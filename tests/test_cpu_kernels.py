@@ -16,8 +16,8 @@ from test_engine import generate, prompts
 
 from kvpush.config import CacheConfig, CompileMode, EngineConfig, ModelConfig
 from kvpush.engine.engine import LLMEngine
-from kvpush.engine.sampling_params import SamplingParams
 from kvpush.engine.kv_cache import KVCache, KVLayout
+from kvpush.engine.sampling_params import SamplingParams
 from kvpush.layers.cpu_kernels import paged_decode_kernel
 
 kernel = paged_decode_kernel()

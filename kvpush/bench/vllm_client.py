@@ -105,7 +105,7 @@ class VllmBench:
     """One `vllm bench serve` process against one front door; output in ``<result_dir>/<name>.log``."""
 
     def __init__(self, vllm: str, url: str, served: str, model_dir: str, cfg: SuiteConfig, rate: float, seed: int,
-                 name: str, max_concurrency: int | None = None) -> None:
+                 name: str, max_concurrency: int | None = None, temperature: float | None = None) -> None:
         self.name, self.out = name, Path(cfg.result_dir)
         self.argv = [os.path.join(vllm, "venv", "bin", "vllm"), "bench", "serve", "--backend", "openai",
                      "--base-url", url, "--endpoint", "/v1/completions", "--model", served, "--tokenizer", model_dir,
@@ -114,7 +114,8 @@ class VllmBench:
                      "--request-rate", fmt_rate(rate), "--ignore-eos", "--seed", str(seed), "--num-warmups",
                      str(cfg.num_warmups), "--disable-tqdm", "--save-result", "--save-detailed",
                      "--result-dir", str(self.out), "--result-filename", f"{name}.json",
-                     *(["--max-concurrency", str(max_concurrency)] if max_concurrency else [])]
+                     *(["--max-concurrency", str(max_concurrency)] if max_concurrency else []),
+                     *(["--temperature", str(temperature)] if temperature is not None else [])]
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> VllmBench:

@@ -8,6 +8,7 @@ import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import aiohttp
 
@@ -15,6 +16,9 @@ from kvpush.config import FirstToken, KVMode
 from kvpush.protocol.trace import Trace
 from kvpush.proxy.auto.records import Decision
 from kvpush.proxy.pool import Instance
+
+if TYPE_CHECKING:
+    from kvpush.proxy.first_token import PrefillAnswer
 
 log = logging.getLogger("kvpush.proxy")
 TRACE_WAIT_S = 1.0  # push: how long D's final chunk may wait for P's answer to merge P's stamps
@@ -66,6 +70,13 @@ class Dispatch:
     trace: Trace = field(default_factory=Trace)
     p_task: asyncio.Task | None = None  # push: P's leg, possibly still running after D answered
     decision: Decision | None = None  # auto: the route chosen and why
+    # vLLM D: P's first token goes to the client first (first_token.py); P's answer to send, once it came
+    first_from_prefill: bool = False
+    prefill_answer: PrefillAnswer | None = None
+
+    def headers(self) -> dict[str, str] | None:
+        """A first_from_prefill dispatch names both legs alike, so vLLM's two answers carry one id."""
+        return {"X-Request-Id": self.transfer_id} if self.first_from_prefill else None
 
 
 @dataclass

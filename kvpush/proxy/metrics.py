@@ -29,6 +29,11 @@ class ProxyMetrics:
         self.estimate_ratio = Histogram("kvpush_proxy_ttft_estimate_ratio", "--kv-mode auto: measured TTFT / the "
                                         "cost model's estimate, per route", ["route"], registry=r,
                                         buckets=(0.25, 0.5, 0.67, 0.8, 0.9, 1.1, 1.25, 1.5, 2.0, 4.0))
+        self.first_from_prefill = Counter("kvpush_proxy_first_token_from_prefill", "Streams to a vLLM decode "
+                                          "instance whose first token could come from P (--first-token from-prefill), "
+                                          "by outcome: relayed (P's token went first; D's, the same, was dropped), "
+                                          "late (D's came first), unusable (P's answer was no plain piece of text, or "
+                                          "P failed), mismatch (D's differed: the stream ended with an error)", ["outcome"], registry=r)
         self.served = Gauge("kvpush_proxy_instance_served", "Requests dispatched per instance",
                             ["role", "url"], registry=r)
 

@@ -10,7 +10,8 @@ transfer_id, then
           request), chosen by auto/router.py's AutoRouter (auto/choice.py's cost model); with no usable P, local. A client
           may name the route (header X-KVPush-KV-Mode). The answer says which (kvpush_route).
 A completions request with several prompts is one such dispatch per prompt (batch.py); D's answer
-goes back to the client through relay.py.
+goes back to the client through relay.py, or, for a vLLM D under --first-token from-prefill, through
+first_token.py (P's token first, then D's stream checked against it).
 If a leg fails, the client gets that leg's error (OpenAI error JSON) and the other leg is
 cancelled; a client that disconnects cancels both legs (their instances abort the requests).
 Instances are re-probed (GET /v1/kv_info) every second: a restarted instance rejoins with its
@@ -39,6 +40,7 @@ from kvpush.proxy import batch
 from kvpush.proxy.app import build_app
 from kvpush.proxy.auto.records import Route
 from kvpush.proxy.auto.router import AutoRouter
+from kvpush.proxy.first_token import PrefillAnswer, eligible, relay_first_from_prefill
 from kvpush.proxy.legs import (
     DecodeUnavailable,
     Dispatch,
@@ -114,8 +116,10 @@ class Proxy(InstancePool):
         if prompts is not None:
             return await batch.serve_batch(self, request, req, prompts)
         forced = self.forced_route(request)
-        leg = await self.open_leg(req, kp.new_transfer_id(), received, forced)
+        leg = await self.open_leg(req, kp.new_transfer_id(), received, forced, single=True)
         try:
+            if leg.dispatch.first_from_prefill and leg.response.content_type.startswith("text/event-stream"):
+                return await relay_first_from_prefill(self, request, leg.response, leg.dispatch)
             return await relay(self, request, leg.response, leg.dispatch)
         finally:
             self.end_leg(leg.dispatch)
@@ -137,18 +141,22 @@ class Proxy(InstancePool):
         return route
 
     async def open_leg(self, req: ClientRequest, transfer_id: str, received: float | None = None,
-                       forced: Route | None = None) -> Leg:
+                       forced: Route | None = None, single: bool = False) -> Leg:
         """Dispatch one prompt's P and D legs; return once D answered 200 (its first token exists).
         A prefill leg that fails before that (P unreachable or answering 5xx) is retried on another
         prefill instance, as transfer `<transfer_id>.<attempt>`; a leg an instance sheds (429 / 503) is
         retried on another instance of that role not tried yet and not shedding, if there is one (else
-        the client gets the 429 / 503 and its Retry-After). The caller must `end_leg` the result."""
+        the client gets the 429 / 503 and its Retry-After). `single`: the client's request is this one
+        prompt, so its stream may start with P's token (first_token.py). The caller must `end_leg` the result."""
         tried: set[str] = set()
         tried_d: set[str] = set()
         for attempt in itertools.count():
             d = self._dispatch(req, f"{transfer_id}.{attempt}" if attempt else transfer_id, tried, tried_d, forced)
             d.trace.proxy_received = received or time.time()
             d.trace.dispatched = time.time()
+            d.first_from_prefill = (single and d.prefill is not None and d.decode.vllm
+                                    and self.config.first_token is FirstToken.FROM_PREFILL
+                                    and eligible(req.body, req.stream))
             if d.prefill is not None:
                 d.prefill.in_flight += 1
             d.decode.in_flight += 1
@@ -191,6 +199,7 @@ class Proxy(InstancePool):
         """Pick D, P and (auto) the route. An auto proxy with no usable P serves from D alone."""
         decode = self.pick(self.decodes, "decode", exclude=tried_d)
         # vLLM computes the last prompt position again on D: P's first token is never D's first output there
+        # (the proxy may send it to the client first: open_leg's first_from_prefill, first_token.py)
         first = FirstToken.RECOMPUTE if decode.vllm else req.first_token(self.config.first_token)
         if self.auto is None:
             return Dispatch(self.pick(self.prefills, "prefill", exclude=tried), decode, transfer_id, first,
@@ -316,7 +325,7 @@ class Proxy(InstancePool):
         leg = req.leg(params, vllm=d.prefill.vllm)
         d.trace.p_leg_sent = time.time()
         try:
-            async with self.session.post(d.prefill.url + req.path, json=leg) as r:
+            async with self.session.post(d.prefill.url + req.path, json=leg, headers=d.headers()) as r:
                 data = await r.read()
                 error = LegError(r.status, data, d.prefill, r.headers.get("Retry-After"))
                 if r.status >= 500:
@@ -335,7 +344,10 @@ class Proxy(InstancePool):
             choice = body["choices"][0]
             d.trace.update(Trace.from_json(choice.get("kvpush_trace")).as_prefill())
             kv = choice.get("kv_transfer_params") or body["kv_transfer_params"]  # kvpush's place, or vLLM's
-            return kp.params_from_dict(kv, kp.PrefillResult)
+            result = kp.params_from_dict(kv, kp.PrefillResult)
+            if d.first_from_prefill:
+                d.prefill_answer = PrefillAnswer.parse(body, chat=req.messages is not None)
+            return result
         except (KeyError, IndexError, TypeError, ValueError, kp.ProtocolError) as e:
             raise LegError(502, json.dumps(H.error_body(502, f"prefill answered without KV params: {e}")).encode()) from e
 
@@ -346,7 +358,7 @@ class Proxy(InstancePool):
         leg = req.leg(params)
         d.trace.d_leg_sent = time.time()
         try:
-            resp = await self.session.post(d.decode.url + req.path, json=leg)
+            resp = await self.session.post(d.decode.url + req.path, json=leg, headers=d.headers())
         except aiohttp.ClientError as e:
             d.decode.healthy = False
             message = f"decode instance {d.decode.url} unreachable: {e}"

@@ -1,0 +1,209 @@
+"""P's first token first, for vLLM decode instances (`kvpush proxy --first-token from-prefill`).
+
+vLLM computes the last prompt position again on D once the KV landed (its scheduler always leaves
+one token to compute), so D's first token comes one decode step after its KV. P sampled that token
+already. For a streamed greedy request the proxy sends P's token to the client as soon as P
+answered, then relays D's stream without D's first token, after checking that it is the same one:
+
+    WAITING (D answered 200, nothing sent yet)
+      -> P_FIRST (P's answer came before D's first token: P's token sent)
+           -> CHECKED (D's text starts with P's: that much dropped; the rest relayed as it comes)
+              -> COMPLETE
+           -> MISMATCH (D's text is another: an error event ends the stream, D is closed)
+      -> D_FIRST (D's first token came first: D's stream relayed unchanged)
+
+What the client reads is D's text, exactly: P's text is checked against D's before anything of D's
+goes out, whether D sends its first token alone or (vLLM's API server reading behind its engine)
+together with the next ones.
+
+Only where P's token is the one D computes and the chunks map one to one: temperature 0, one
+choice, no logprobs, no echo, no stop strings (vLLM holds text back for them), no token ids or
+per-chunk usage asked for, no tools; and P's answer a plain piece of text that ended by length (not
+a tool call or reasoning, not an incomplete character). Anything else goes through relay.py as it is.
+The chunks P's token is sent in carry the ids and fields vLLM's own would (both legs carry the same
+X-Request-Id, so vLLM names both answers alike).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+from aiohttp import web
+
+from kvpush.protocol import http as H
+from kvpush.proxy.legs import Dispatch
+
+if TYPE_CHECKING:
+    from kvpush.proxy.proxy import Proxy
+
+log = logging.getLogger("kvpush.proxy")
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+# Request fields under which P's first token is not what the client would get first from D, or a
+# chunk of D's does not carry exactly one token's text
+_DISQUALIFY = ("logprobs", "top_logprobs", "prompt_logprobs", "echo", "stop", "return_token_ids", "tools",
+               "include_stop_str_in_output")
+
+
+class State(enum.Enum):
+    P_FIRST = "p_first"
+    CHECKED = "checked"
+    D_FIRST = "d_first"
+
+
+def eligible(body: dict[str, Any], stream: bool) -> bool:
+    """Whether a request's first token may come from P (see the module docstring)."""
+    temperature = body.get("temperature")
+    greedy = isinstance(temperature, int | float) and not isinstance(temperature, bool) and temperature == 0
+    options = body.get("stream_options")
+    per_chunk_usage = isinstance(options, dict) and bool(options.get("continuous_usage_stats"))
+    return (stream and greedy and body.get("n") in (None, 1) and body.get("best_of") in (None, 1)
+            and not per_chunk_usage and not any(body.get(k) for k in _DISQUALIFY))
+
+
+@dataclass(frozen=True)
+class PrefillAnswer:
+    """What the client's first chunk(s) are made of: P's token's text and the answer's names."""
+
+    text: str
+    chat: bool
+    id: str
+    created: int
+    model: str
+
+    @classmethod
+    def parse(cls, body: dict[str, Any], chat: bool) -> PrefillAnswer | None:
+        """From P's (non-streamed, one-token) answer; None where it is no plain piece of text."""
+        choice = (body.get("choices") or [{}])[0]
+        if chat:
+            message = choice.get("message") or {}
+            text = message.get("content")
+            if message.get("tool_calls") or message.get("reasoning_content") or message.get("reasoning"):
+                return None
+        else:
+            text = choice.get("text")
+        if not isinstance(text, str) or not text or "\ufffd" in text or choice.get("finish_reason") != "length":
+            return None
+        return cls(text, chat, str(body.get("id", "")), int(body.get("created") or time.time()),
+                   str(body.get("model", "")))
+
+    def chunks(self) -> list[dict[str, Any]]:
+        """The chunks vLLM would stream for this token (chat: the role's, then the text's)."""
+        if not self.chat:
+            return [self._chunk("text_completion", {"index": 0, "text": self.text, "logprobs": None,
+                                                    "finish_reason": None, "stop_reason": None})]
+        return [self._chunk("chat.completion.chunk", {"index": 0, "delta": delta, "logprobs": None,
+                                                      "finish_reason": None})
+                for delta in ({"role": "assistant", "content": ""}, {"content": self.text})]
+
+    def _chunk(self, kind: str, choice: dict[str, Any]) -> dict[str, Any]:
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": [choice]}
+
+
+def _sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+def check_first(line: bytes, answer: PrefillAnswer, owed: str) -> tuple[str | None, bytes | None]:
+    """D's data line while `owed` (the end of P's text the client has and D's stream has not yet
+    given) is not empty -> (what is still owed, None where D's text departs from P's; the line to
+    send, None to drop it). vLLM may put several tokens in one chunk (when the API server reads
+    behind the engine): D's text matches P's when it starts with it, in one chunk or over several."""
+    try:
+        obj = json.loads(line[6:])
+        choice = obj["choices"][0]
+    except (ValueError, KeyError, IndexError, TypeError):
+        return owed, line  # no token in it (an error, a usage chunk): as it is
+    if answer.chat:
+        delta = choice.get("delta") or {}
+        text = delta.get("content") or ""
+        if delta.get("tool_calls") or delta.get("reasoning_content") or delta.get("reasoning"):
+            return None, None
+        if delta.get("role") and not text and choice.get("finish_reason") is None:
+            return owed, None  # the role's chunk: P's went already
+    else:
+        text = choice.get("text") or ""
+    if text.startswith(owed):
+        rest, owed = text[len(owed):], ""
+    elif owed.startswith(text):
+        rest, owed = "", owed[len(text):]
+    else:
+        return None, None
+    if not rest and choice.get("finish_reason") is None and not obj.get("usage"):
+        return owed, None
+    if answer.chat:
+        choice["delta"] = {"content": rest}
+    else:
+        choice["text"] = rest
+    return owed, _sse(obj)
+
+
+async def relay_first_from_prefill(proxy: Proxy, request: web.Request, d_resp: aiohttp.ClientResponse,
+                                   d: Dispatch) -> web.StreamResponse:
+    """Stream D's answer, P's token first where P answered before D's first token."""
+    out = web.StreamResponse(headers=SSE_HEADERS)
+    await out.prepare(request)
+    lines = d_resp.content.__aiter__()
+    pending = asyncio.ensure_future(lines.__anext__())
+    complete = False
+    try:
+        if d.p_task is not None and not d.p_task.done():
+            await asyncio.wait({d.p_task, pending}, return_when=asyncio.FIRST_COMPLETED)
+        answer = d.prefill_answer if not pending.done() else None
+        state = State.P_FIRST if answer is not None else State.D_FIRST
+        owed = answer.text if answer is not None else ""
+        if answer is not None:
+            d.trace.set_once("proxy_first_chunk", time.time())
+            for chunk in answer.chunks():
+                await out.write(_sse(chunk))
+        else:  # D's token came first, or P's answer was none to send (failed, or no plain text)
+            proxy.metrics.first_from_prefill.labels(outcome="late" if pending.done() else "unusable").inc()
+        while True:
+            try:
+                line: bytes | None = await pending
+            except StopAsyncIteration:
+                break
+            if state is State.P_FIRST and answer is not None and line is not None and line.startswith(b"data: {"):
+                first = line
+                left, line = check_first(line, answer, owed)
+                if left is None:
+                    await _mismatch(proxy, out, d, answer, first)
+                    return out
+                owed = left
+                if not owed:
+                    state = State.CHECKED
+                    proxy.metrics.first_from_prefill.labels(outcome="relayed").inc()
+            if line is not None:
+                if line.startswith(b"data: {"):
+                    d.trace.set_once("proxy_first_chunk", time.time())
+                await out.write(line)
+            pending = asyncio.ensure_future(lines.__anext__())
+        complete = True
+        await out.write_eof()
+        proxy.metrics.requests.labels(status="200").inc()
+    except ConnectionResetError:
+        log.info("client left during the stream of %s", d.transfer_id)
+    finally:
+        if not pending.done():
+            pending.cancel()
+        if complete:
+            d_resp.release()
+        else:
+            d_resp.close()  # D sees the disconnect and aborts
+    return out
+
+
+async def _mismatch(proxy: Proxy, out: web.StreamResponse, d: Dispatch, answer: PrefillAnswer, first: bytes) -> None:
+    proxy.metrics.first_from_prefill.labels(outcome="mismatch").inc()
+    message = (f"decode instance {d.decode.url} computed another first token than prefill instance "
+               f"{d.prefill.url if d.prefill else '?'} (sent already); the answer cannot go on")
+    log.warning("%s: %s: P's text %r, D's first chunk %s", d.transfer_id, message, answer.text,
+                first.strip()[:300].decode(errors="replace"))
+    await out.write(_sse(H.error_body(502, message)) + b"data: [DONE]\n\n")
+    await out.write_eof()

@@ -1,0 +1,190 @@
+"""P's first token first for vLLM decode instances (kvpush/proxy/first_token.py): which requests may,
+what of P's answer is sent, and the relay's states against a fake D streaming over loopback (the
+real vLLM pair is in test_vllm_connector.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from types import SimpleNamespace
+
+import pytest
+from aiohttp import ClientSession, web
+
+from kvpush.config import FirstToken, KVMode
+from kvpush.launcher.launch import free_port
+from kvpush.proxy.first_token import PrefillAnswer, check_first, eligible, relay_first_from_prefill
+from kvpush.proxy.legs import Dispatch
+from kvpush.proxy.metrics import ProxyMetrics
+from kvpush.proxy.pool import Instance
+
+GREEDY = {"stream": True, "temperature": 0}
+
+
+@pytest.mark.parametrize("extra,ok", [
+    ({}, True), ({"temperature": 0.0, "n": 1, "max_tokens": 5}, True),
+    ({"stream_options": {"include_usage": True}}, True),
+    ({"stream": False}, False), ({"temperature": 0.7}, False), ({"temperature": None}, False),
+    ({"temperature": False}, False), ({"n": 2}, False), ({"best_of": 3}, False), ({"logprobs": 2}, False),
+    ({"logprobs": True}, False), ({"top_logprobs": 3}, False), ({"echo": True}, False), ({"stop": ["\n"]}, False),
+    ({"stop": "x"}, False), ({"return_token_ids": True}, False), ({"tools": [{"type": "function"}]}, False),
+    ({"stream_options": {"continuous_usage_stats": True}}, False)])
+def test_which_requests_may_start_with_p_s_token(extra, ok):
+    body = {"prompt": "hi", **GREEDY, **extra}
+    assert eligible(body, bool(body.get("stream"))) is ok
+    if ok:
+        assert eligible({**body, "stop": []}, True)  # an empty stop list holds nothing back
+
+
+def test_what_of_p_s_answer_is_usable():
+    base = {"id": "cmpl-x", "created": 7, "model": "m"}
+    done = {"index": 0, "finish_reason": "length"}
+    assert PrefillAnswer.parse({**base, "choices": [{**done, "text": " a"}]}, chat=False) == \
+        PrefillAnswer(" a", False, "cmpl-x", 7, "m")
+    assert PrefillAnswer.parse({**base, "choices": [{**done, "message": {"role": "assistant", "content": "b"}}]},
+                               chat=True).text == "b"
+    for choice in ({**done, "text": ""}, {**done, "text": "\ufffd"}, {"index": 0, "finish_reason": "stop", "text": "a"},
+                   {**done, "text": None}):
+        assert PrefillAnswer.parse({**base, "choices": [choice]}, chat=False) is None
+    for message in ({"content": None, "tool_calls": [{"id": "t"}]}, {"content": "a", "reasoning_content": "r"}):
+        assert PrefillAnswer.parse({**base, "choices": [{**done, "message": message}]}, chat=True) is None
+
+
+def _line(choice: dict, **top) -> bytes:
+    return b"data: " + json.dumps({"id": "d", "choices": [choice], **top}).encode() + b"\n\n"
+
+
+def test_d_s_text_is_checked_against_p_s_then_dropped_as_far_as_it_was_sent():
+    text = PrefillAnswer(" a", False, "i", 1, "m")
+
+    def check(choice: dict, owed: str = " a", answer: PrefillAnswer = text, **top):
+        owed_after, line = check_first(_line(choice, **top), answer, owed)
+        return owed_after, None if line is None else json.loads(line[6:])["choices"][0]
+
+    assert check({"index": 0, "text": " a", "finish_reason": None}) == ("", None)  # the same token: dropped
+    assert check({"index": 0, "text": " b", "finish_reason": None}) == (None, None)  # another: mismatch
+    assert check({"index": 0, "text": " a b", "finish_reason": None}) == (  # two tokens in one chunk: the rest goes
+        "", {"index": 0, "text": " b", "finish_reason": None})
+    assert check({"index": 0, "text": " ", "finish_reason": None}) == ("a", None)  # part of it: still owed "a"
+    assert check({"index": 0, "text": "a", "finish_reason": None}, owed="a") == ("", None)
+    assert check({"index": 0, "text": " a", "finish_reason": "length"}) == (  # it also ends the answer
+        "", {"index": 0, "text": "", "finish_reason": "length"})
+    error = b'data: {"error": {"message": "x"}}\n\n'
+    assert check_first(error, text, " a") == (" a", error)
+    chat = PrefillAnswer(" a", True, "i", 1, "m")
+    role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+    assert check(role, answer=chat) == (" a", None)
+    assert check({"index": 0, "delta": {"content": " a"}, "finish_reason": None}, answer=chat) == ("", None)
+    assert check({"index": 0, "delta": {"reasoning_content": " a"}}, answer=chat) == (None, None)
+
+
+class FakeD:
+    """Streams the given chunks after `delay_s` (D's KV and its first step)."""
+
+    def __init__(self, chunks: list[dict], delay_s: float) -> None:
+        self.chunks, self.delay_s, self.port = chunks, delay_s, free_port()
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        await asyncio.sleep(self.delay_s)
+        for c in self.chunks:
+            await out.write(b"data: " + json.dumps({"id": "d", "choices": [c]}).encode() + b"\n\n")
+        await out.write(b"data: [DONE]\n\n")
+        await out.write_eof()
+        return out
+
+
+async def _run(answer: PrefillAnswer, d_chunks: list[dict], d_delay_s: float, p_delay_s: float):
+    """The client's data lines and the outcome counters, through relay_first_from_prefill."""
+    fake_d = FakeD(d_chunks, d_delay_s)
+    metrics = ProxyMetrics()
+    proxy = SimpleNamespace(metrics=metrics)
+    d_app = web.Application()
+    d_app.router.add_post("/v1/completions", fake_d.handle)
+    runners = [web.AppRunner(d_app)]
+
+    async def front(request: web.Request) -> web.StreamResponse:
+        dispatch = Dispatch(Instance("http://p", "prefill", vllm=True), Instance("http://d", "decode", vllm=True),
+                            "t1", FirstToken.RECOMPUTE, KVMode.PUSH, first_from_prefill=True)
+
+        async def p_leg() -> None:
+            await asyncio.sleep(p_delay_s)
+            dispatch.prefill_answer = answer
+
+        dispatch.p_task = asyncio.create_task(p_leg())
+        d_resp = await session.post(f"http://127.0.0.1:{fake_d.port}/v1/completions", json={})
+        return await relay_first_from_prefill(proxy, request, d_resp, dispatch)  # type: ignore[arg-type]
+
+    front_app = web.Application()
+    front_app.router.add_post("/v1/completions", front)
+    runners.append(web.AppRunner(front_app))
+    ports = [fake_d.port, free_port()]
+    async with ClientSession() as session:
+        for runner, port in zip(runners, ports, strict=True):
+            await runner.setup()
+            await web.TCPSite(runner, "127.0.0.1", port).start()
+        try:
+            async with session.post(f"http://127.0.0.1:{ports[1]}/v1/completions", json={}) as r:
+                lines = [line.strip() for line in (await r.read()).split(b"\n") if line.strip()]
+        finally:
+            for runner in runners:
+                await runner.cleanup()
+    outcomes = dict.fromkeys(("relayed", "late", "mismatch"), 0.0)
+    outcomes.update({s.labels["outcome"]: s.value for m in metrics.first_from_prefill.collect() for s in m.samples
+                     if s.name.endswith("_total")})
+    return lines, outcomes
+
+
+def _texts(lines: list[bytes]) -> list[str]:
+    out = []
+    for line in lines:
+        if line.startswith(b"data: {"):
+            choice = (json.loads(line[6:]).get("choices") or [{}])[0]
+            out.append(choice.get("text", (choice.get("delta") or {}).get("content")))
+    return out
+
+
+TOKENS = [{"index": 0, "text": t, "finish_reason": None} for t in (" a", " b")] + \
+    [{"index": 0, "text": " c", "finish_reason": "length"}]
+
+
+def test_p_answers_first_its_token_goes_first_and_d_s_is_dropped():
+    answer = PrefillAnswer(" a", False, "cmpl-t1", 1, "m")
+    lines, outcomes = asyncio.run(_run(answer, TOKENS, d_delay_s=0.3, p_delay_s=0.0))
+    assert _texts(lines) == [" a", " b", " c"] and lines[-1] == b"data: [DONE]"
+    assert json.loads(lines[0][6:])["id"] == "cmpl-t1"
+    assert outcomes == {"relayed": 1.0, "late": 0.0, "mismatch": 0.0}
+
+
+def test_d_answers_first_its_stream_goes_unchanged():
+    answer = PrefillAnswer(" a", False, "cmpl-t1", 1, "m")
+    lines, outcomes = asyncio.run(_run(answer, TOKENS, d_delay_s=0.0, p_delay_s=0.5))
+    assert _texts(lines) == [" a", " b", " c"]
+    assert json.loads(lines[0][6:])["id"] == "d"
+    assert outcomes["late"] == 1.0 and outcomes["relayed"] == 0.0
+
+
+def test_d_computing_another_first_token_ends_the_stream_with_an_error():
+    answer = PrefillAnswer(" z", False, "cmpl-t1", 1, "m")
+    lines, outcomes = asyncio.run(_run(answer, TOKENS, d_delay_s=0.3, p_delay_s=0.0))
+    assert _texts(lines) == [" z", None]  # P's token, then the error event: nothing of D's after another token
+    assert "another first token" in json.loads(lines[1][6:])["error"]["message"]
+    assert lines[-1] == b"data: [DONE]" and outcomes["mismatch"] == 1.0
+
+
+def test_d_s_first_chunk_with_two_tokens():
+    answer = PrefillAnswer(" a", False, "cmpl-t1", 1, "m")
+    chunks = [{"index": 0, "text": " a b", "finish_reason": None}, {"index": 0, "text": " c", "finish_reason": "length"}]
+    lines, outcomes = asyncio.run(_run(answer, chunks, d_delay_s=0.3, p_delay_s=0.0))
+    assert _texts(lines) == [" a", " b", " c"] and outcomes["relayed"] == 1.0
+
+
+def test_chat_role_chunk_and_a_one_token_answer():
+    answer = PrefillAnswer(" a", True, "chatcmpl-t1", 1, "m")
+    chunks = [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None},
+              {"index": 0, "delta": {"content": " a"}, "finish_reason": "length"}]
+    lines, outcomes = asyncio.run(_run(answer, chunks, d_delay_s=0.3, p_delay_s=0.0))
+    choices = [json.loads(line[6:])["choices"][0] for line in lines if line.startswith(b"data: {")]
+    assert [c["delta"] for c in choices] == [{"role": "assistant", "content": ""}, {"content": " a"}, {"content": ""}]
+    assert choices[-1]["finish_reason"] == "length" and outcomes["relayed"] == 1.0
