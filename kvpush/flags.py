@@ -285,7 +285,8 @@ def _add_routing_arguments(g: argparse._ArgumentGroup) -> None:
                    choices=[m.value for m in FirstToken],
                    help="D recomputes the last prompt position, or uses the token P sampled (a vLLM decode "
                         "instance always recomputes; with from-prefill the proxy streams P's token to the "
-                        "client first for greedy streamed requests)")
+                        "client first for greedy streamed requests, checked against D's; recompute turns "
+                        "both off)")
     g.add_argument("--policy", default=_default(ProxyConfig, "policy"), choices=["round-robin", "least-loaded"],
                    help="how the proxy picks a P and a D among healthy instances")
 

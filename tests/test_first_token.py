@@ -13,7 +13,7 @@ from aiohttp import ClientSession, web
 
 from kvpush.config import FirstToken, KVMode
 from kvpush.launcher.launch import free_port
-from kvpush.proxy.first_token import PrefillAnswer, check_first, eligible, relay_first_from_prefill
+from kvpush.proxy.first_token import PrefillAnswer, State, check_first, eligible, relay_first_from_prefill
 from kvpush.proxy.legs import Dispatch
 from kvpush.proxy.metrics import ProxyMetrics
 from kvpush.proxy.pool import Instance
@@ -26,7 +26,9 @@ GREEDY = {"stream": True, "temperature": 0}
     ({"stream_options": {"include_usage": True}}, True),
     ({"stream": False}, False), ({"temperature": 0.7}, False), ({"temperature": None}, False),
     ({"temperature": False}, False), ({"n": 2}, False), ({"best_of": 3}, False), ({"logprobs": 2}, False),
-    ({"logprobs": True}, False), ({"top_logprobs": 3}, False), ({"echo": True}, False), ({"stop": ["\n"]}, False),
+    ({"logprobs": True}, False), ({"logprobs": 0}, False), ({"top_logprobs": 0}, False), ({"prompt_logprobs": 0}, False),
+    ({"logprobs": False}, True), ({"logprobs": None}, True), ({"use_beam_search": True}, False),
+    ({"return_prompt_text": True}, False), ({"top_logprobs": 3}, False), ({"echo": True}, False), ({"stop": ["\n"]}, False),
     ({"stop": "x"}, False), ({"return_token_ids": True}, False), ({"tools": [{"type": "function"}]}, False),
     ({"stream_options": {"continuous_usage_stats": True}}, False)])
 def test_which_requests_may_start_with_p_s_token(extra, ok):
@@ -41,8 +43,8 @@ def test_what_of_p_s_answer_is_usable():
     done = {"index": 0, "finish_reason": "length"}
     assert PrefillAnswer.parse({**base, "choices": [{**done, "text": " a"}]}, chat=False) == \
         PrefillAnswer(" a", False, "cmpl-x", 7, "m")
-    assert PrefillAnswer.parse({**base, "choices": [{**done, "message": {"role": "assistant", "content": "b"}}]},
-                               chat=True).text == "b"
+    chat = PrefillAnswer.parse({**base, "choices": [{**done, "message": {"role": "helper", "content": "b"}}]}, chat=True)
+    assert chat is not None and chat.text == "b" and chat.chunks()[0]["choices"][0]["delta"]["role"] == "helper"
     for choice in ({**done, "text": ""}, {**done, "text": "\ufffd"}, {"index": 0, "finish_reason": "stop", "text": "a"},
                    {**done, "text": None}):
         assert PrefillAnswer.parse({**base, "choices": [choice]}, chat=False) is None
@@ -58,24 +60,32 @@ def test_d_s_text_is_checked_against_p_s_then_dropped_as_far_as_it_was_sent():
     text = PrefillAnswer(" a", False, "i", 1, "m")
 
     def check(choice: dict, owed: str = " a", answer: PrefillAnswer = text, **top):
-        owed_after, line = check_first(_line(choice, **top), answer, owed)
-        return owed_after, None if line is None else json.loads(line[6:])["choices"][0]
+        state, owed_after, line = check_first(_line(choice, **top), answer, owed)
+        return state, owed_after, None if line is None else json.loads(line[6:])["choices"][0]
 
-    assert check({"index": 0, "text": " a", "finish_reason": None}) == ("", None)  # the same token: dropped
-    assert check({"index": 0, "text": " b", "finish_reason": None}) == (None, None)  # another: mismatch
+    assert check({"index": 0, "text": " a", "finish_reason": None}) == (State.CHECKED, "", None)  # dropped
+    assert check({"index": 0, "text": " b", "finish_reason": None})[0] is State.MISMATCH  # another token
     assert check({"index": 0, "text": " a b", "finish_reason": None}) == (  # two tokens in one chunk: the rest goes
-        "", {"index": 0, "text": " b", "finish_reason": None})
-    assert check({"index": 0, "text": " ", "finish_reason": None}) == ("a", None)  # part of it: still owed "a"
-    assert check({"index": 0, "text": "a", "finish_reason": None}, owed="a") == ("", None)
+        State.CHECKED, "", {"index": 0, "text": " b", "finish_reason": None})
+    assert check({"index": 0, "text": " ", "finish_reason": None}) == (State.P_FIRST, "a", None)  # part: "a" owed
+    assert check({"index": 0, "text": "a", "finish_reason": None}, owed="a") == (State.CHECKED, "", None)
     assert check({"index": 0, "text": " a", "finish_reason": "length"}) == (  # it also ends the answer
-        "", {"index": 0, "text": "", "finish_reason": "length"})
-    error = b'data: {"error": {"message": "x"}}\n\n'
-    assert check_first(error, text, " a") == (" a", error)
+        State.CHECKED, "", {"index": 0, "text": "", "finish_reason": "length"})
+    # D's answer ends before it gave all of P's text (say D's first token is EOS, or a shorter one)
+    assert check({"index": 0, "text": "", "finish_reason": "stop"})[0] is State.MISMATCH
+    assert check({"index": 0, "text": " ", "finish_reason": "length"})[0] is State.MISMATCH
+    assert check_first(b"data: [DONE]\n", text, " a")[0] is State.MISMATCH
+    error = b'data: {"error": {"message": "x"}}\n'
+    assert check_first(error, text, " a") == (State.D_ERROR, " a", error)  # D's own error goes as it is
+    usage = b'data: {"id": "d", "choices": [], "usage": {"completion_tokens": 3}}\n'
+    assert check_first(usage, text, " a") == (State.P_FIRST, " a", usage)
+    assert check_first(b"\n", text, " a") == (State.P_FIRST, " a", b"\n")
     chat = PrefillAnswer(" a", True, "i", 1, "m")
     role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-    assert check(role, answer=chat) == (" a", None)
-    assert check({"index": 0, "delta": {"content": " a"}, "finish_reason": None}, answer=chat) == ("", None)
-    assert check({"index": 0, "delta": {"reasoning_content": " a"}}, answer=chat) == (None, None)
+    assert check(role, answer=chat) == (State.P_FIRST, " a", None)
+    assert check({"index": 0, "delta": {"content": " a"}, "finish_reason": None}, answer=chat) == (State.CHECKED, "",
+                                                                                                   None)
+    assert check({"index": 0, "delta": {"reasoning_content": " a"}}, answer=chat)[0] is State.MISMATCH
 
 
 class FakeD:
@@ -178,6 +188,15 @@ def test_d_s_first_chunk_with_two_tokens():
     chunks = [{"index": 0, "text": " a b", "finish_reason": None}, {"index": 0, "text": " c", "finish_reason": "length"}]
     lines, outcomes = asyncio.run(_run(answer, chunks, d_delay_s=0.3, p_delay_s=0.0))
     assert _texts(lines) == [" a", " b", " c"] and outcomes["relayed"] == 1.0
+
+
+def test_d_ending_short_of_p_s_text_ends_the_stream_with_an_error():
+    answer = PrefillAnswer(" a", False, "cmpl-t1", 1, "m")
+    eos_first = [{"index": 0, "text": "", "finish_reason": "stop"}]
+    lines, outcomes = asyncio.run(_run(answer, eos_first, d_delay_s=0.3, p_delay_s=0.0))
+    assert _texts(lines) == [" a", None] and outcomes["mismatch"] == 1.0
+    lines, outcomes = asyncio.run(_run(answer, [], d_delay_s=0.3, p_delay_s=0.0))  # only [DONE]
+    assert _texts(lines) == [" a", None] and outcomes["mismatch"] == 1.0
 
 
 def test_chat_role_chunk_and_a_one_token_answer():

@@ -12,16 +12,20 @@ answered, then relays D's stream without D's first token, after checking that it
            -> MISMATCH (D's text is another: an error event ends the stream, D is closed)
       -> D_FIRST (D's first token came first: D's stream relayed unchanged)
 
-What the client reads is D's text, exactly: P's text is checked against D's before anything of D's
-goes out, whether D sends its first token alone or (vLLM's API server reading behind its engine)
-together with the next ones.
+What the client reads is D's text, or P's token and then an error event: D's text is checked to start
+with P's before anything of D's goes out, whether D sends its first token alone or (vLLM's API server
+reading behind its engine) together with the next ones; D's answer ending, or its stream breaking
+off, before it gave all of P's text is a mismatch too. An error D reports instead goes to the client
+as it is. A server-side reasoning parser may call P's one token content and D's the reasoning: that
+ends in the error event, not in wrong text.
 
-Only where P's token is the one D computes and the chunks map one to one: temperature 0, one
-choice, no logprobs, no echo, no stop strings (vLLM holds text back for them), no token ids or
-per-chunk usage asked for, no tools; and P's answer a plain piece of text that ended by length (not
-a tool call or reasoning, not an incomplete character). Anything else goes through relay.py as it is.
-The chunks P's token is sent in carry the ids and fields vLLM's own would (both legs carry the same
-X-Request-Id, so vLLM names both answers alike).
+Only where P's token is the one D computes and the chunks map one to one: a single prompt, streamed,
+temperature 0, one choice, no beam search, no logprobs of any kind (`logprobs: 0` included), no echo,
+no stop strings (vLLM holds text back for them), no token ids, prompt text or per-chunk usage asked
+for, no tools; and P's answer a plain piece of text that ended by length (not a tool call or
+reasoning, not an incomplete character). Anything else goes through relay.py as it is. The chunks
+P's token is sent in carry vLLM's id (both legs carry the same X-Request-Id, so vLLM names both
+answers alike), P's `created`, model and (chat) role, and no `token_ids` fields.
 """
 
 from __future__ import annotations
@@ -46,15 +50,18 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvpush.proxy")
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 # Request fields under which P's first token is not what the client would get first from D, or a
-# chunk of D's does not carry exactly one token's text
-_DISQUALIFY = ("logprobs", "top_logprobs", "prompt_logprobs", "echo", "stop", "return_token_ids", "tools",
-               "include_stop_str_in_output")
+# chunk of D's carries more than text (set at all: logprobs 0 asks for the sampled token's logprob)
+_DISQUALIFY_SET = ("logprobs", "top_logprobs", "prompt_logprobs")
+_DISQUALIFY = ("echo", "stop", "return_token_ids", "return_prompt_text", "tools", "include_stop_str_in_output",
+               "use_beam_search")
 
 
 class State(enum.Enum):
-    P_FIRST = "p_first"
-    CHECKED = "checked"
-    D_FIRST = "d_first"
+    P_FIRST = "p_first"  # P's text sent; D's stream has not given all of it yet
+    CHECKED = "checked"  # D's text started with P's: the rest goes as it comes
+    MISMATCH = "mismatch"  # D's text departs from P's (or ends before giving all of it)
+    D_ERROR = "d_error"  # D reported an error instead of a token: it goes to the client as it is
+    D_FIRST = "d_first"  # D's first token came first (or P's was none to send): D's stream unchanged
 
 
 def eligible(body: dict[str, Any], stream: bool) -> bool:
@@ -64,7 +71,8 @@ def eligible(body: dict[str, Any], stream: bool) -> bool:
     options = body.get("stream_options")
     per_chunk_usage = isinstance(options, dict) and bool(options.get("continuous_usage_stats"))
     return (stream and greedy and body.get("n") in (None, 1) and body.get("best_of") in (None, 1)
-            and not per_chunk_usage and not any(body.get(k) for k in _DISQUALIFY))
+            and not per_chunk_usage and not any(body.get(k) for k in _DISQUALIFY)
+            and all(body.get(k) is None or body.get(k) is False for k in _DISQUALIFY_SET))  # 0 == False
 
 
 @dataclass(frozen=True)
@@ -76,14 +84,16 @@ class PrefillAnswer:
     id: str
     created: int
     model: str
+    role: str = "assistant"  # chat: the answer's role (vLLM's --response-role, or the last message's)
 
     @classmethod
     def parse(cls, body: dict[str, Any], chat: bool) -> PrefillAnswer | None:
         """From P's (non-streamed, one-token) answer; None where it is no plain piece of text."""
         choice = (body.get("choices") or [{}])[0]
+        role = "assistant"
         if chat:
             message = choice.get("message") or {}
-            text = message.get("content")
+            text, role = message.get("content"), str(message.get("role") or role)
             if message.get("tool_calls") or message.get("reasoning_content") or message.get("reasoning"):
                 return None
         else:
@@ -91,7 +101,7 @@ class PrefillAnswer:
         if not isinstance(text, str) or not text or "\ufffd" in text or choice.get("finish_reason") != "length":
             return None
         return cls(text, chat, str(body.get("id", "")), int(body.get("created") or time.time()),
-                   str(body.get("model", "")))
+                   str(body.get("model", "")), role)
 
     def chunks(self) -> list[dict[str, Any]]:
         """The chunks vLLM would stream for this token (chat: the role's, then the text's)."""
@@ -100,7 +110,7 @@ class PrefillAnswer:
                                                     "finish_reason": None, "stop_reason": None})]
         return [self._chunk("chat.completion.chunk", {"index": 0, "delta": delta, "logprobs": None,
                                                       "finish_reason": None})
-                for delta in ({"role": "assistant", "content": ""}, {"content": self.text})]
+                for delta in ({"role": self.role, "content": ""}, {"content": self.text})]
 
     def _chunk(self, kind: str, choice: dict[str, Any]) -> dict[str, Any]:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": [choice]}
@@ -110,38 +120,48 @@ def _sse(obj: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(obj).encode() + b"\n\n"
 
 
-def check_first(line: bytes, answer: PrefillAnswer, owed: str) -> tuple[str | None, bytes | None]:
-    """D's data line while `owed` (the end of P's text the client has and D's stream has not yet
-    given) is not empty -> (what is still owed, None where D's text departs from P's; the line to
-    send, None to drop it). vLLM may put several tokens in one chunk (when the API server reads
-    behind the engine): D's text matches P's when it starts with it, in one chunk or over several."""
+def check_first(line: bytes, answer: PrefillAnswer, owed: str) -> tuple[State, str, bytes | None]:
+    """D's line while `owed` (the end of P's text the client has and D's stream has not yet given) is
+    not empty -> (the state after it, what is still owed, the line to send or None to drop it). vLLM may
+    put several tokens in one chunk (when its API server reads behind the engine): D's text matches
+    P's when it starts with it, in one chunk or over several, before D's answer ends."""
+    if line.startswith(b"data: [DONE]"):
+        return State.MISMATCH, owed, None  # D ended without giving all of P's text
+    if not line.startswith(b"data: {"):
+        return State.P_FIRST, owed, line  # SSE framing
     try:
         obj = json.loads(line[6:])
-        choice = obj["choices"][0]
-    except (ValueError, KeyError, IndexError, TypeError):
-        return owed, line  # no token in it (an error, a usage chunk): as it is
+    except ValueError:
+        return State.MISMATCH, owed, None
+    if not isinstance(obj, dict) or "error" in obj:
+        return State.D_ERROR, owed, line
+    choices = obj.get("choices")
+    if not choices:
+        return State.P_FIRST, owed, line  # a usage chunk: as it is
+    choice, ended = choices[0], choices[0].get("finish_reason") is not None
     if answer.chat:
         delta = choice.get("delta") or {}
         text = delta.get("content") or ""
         if delta.get("tool_calls") or delta.get("reasoning_content") or delta.get("reasoning"):
-            return None, None
-        if delta.get("role") and not text and choice.get("finish_reason") is None:
-            return owed, None  # the role's chunk: P's went already
+            return State.MISMATCH, owed, None
+        if delta.get("role") and not text and not ended:
+            return State.P_FIRST, owed, None  # the role's chunk: P's went already
     else:
         text = choice.get("text") or ""
     if text.startswith(owed):
         rest, owed = text[len(owed):], ""
-    elif owed.startswith(text):
+    elif owed.startswith(text) and not ended:
         rest, owed = "", owed[len(text):]
     else:
-        return None, None
-    if not rest and choice.get("finish_reason") is None and not obj.get("usage"):
-        return owed, None
+        return State.MISMATCH, owed, None
+    state = State.P_FIRST if owed else State.CHECKED
+    if not rest and not ended and not obj.get("usage"):
+        return state, owed, None
     if answer.chat:
         choice["delta"] = {"content": rest}
     else:
         choice["text"] = rest
-    return owed, _sse(obj)
+    return state, owed, _sse(obj)
 
 
 async def relay_first_from_prefill(proxy: Proxy, request: web.Request, d_resp: aiohttp.ClientResponse,
@@ -169,21 +189,22 @@ async def relay_first_from_prefill(proxy: Proxy, request: web.Request, d_resp: a
                 line: bytes | None = await pending
             except StopAsyncIteration:
                 break
-            if state is State.P_FIRST and answer is not None and line is not None and line.startswith(b"data: {"):
+            if state is State.P_FIRST and answer is not None and line is not None:
                 first = line
-                left, line = check_first(line, answer, owed)
-                if left is None:
+                state, owed, line = check_first(line, answer, owed)
+                if state is State.MISMATCH:
                     await _mismatch(proxy, out, d, answer, first)
                     return out
-                owed = left
-                if not owed:
-                    state = State.CHECKED
+                if state is State.CHECKED:
                     proxy.metrics.first_from_prefill.labels(outcome="relayed").inc()
             if line is not None:
                 if line.startswith(b"data: {"):
                     d.trace.set_once("proxy_first_chunk", time.time())
                 await out.write(line)
             pending = asyncio.ensure_future(lines.__anext__())
+        if state is State.P_FIRST and answer is not None:  # D's stream broke off before giving P's text
+            await _mismatch(proxy, out, d, answer, b"(end of stream)")
+            return out
         complete = True
         await out.write_eof()
         proxy.metrics.requests.labels(status="200").inc()
@@ -192,6 +213,8 @@ async def relay_first_from_prefill(proxy: Proxy, request: web.Request, d_resp: a
     finally:
         if not pending.done():
             pending.cancel()
+        elif not pending.cancelled() and not isinstance(pending.exception(), StopAsyncIteration | type(None)):
+            log.debug("D's stream of %s broke off: %s", d.transfer_id, pending.exception())
         if complete:
             d_resp.release()
         else:
@@ -201,6 +224,7 @@ async def relay_first_from_prefill(proxy: Proxy, request: web.Request, d_resp: a
 
 async def _mismatch(proxy: Proxy, out: web.StreamResponse, d: Dispatch, answer: PrefillAnswer, first: bytes) -> None:
     proxy.metrics.first_from_prefill.labels(outcome="mismatch").inc()
+    proxy.metrics.requests.labels(status="502").inc()
     message = (f"decode instance {d.decode.url} computed another first token than prefill instance "
                f"{d.prefill.url if d.prefill else '?'} (sent already); the answer cannot go on")
     log.warning("%s: %s: P's text %r, D's first chunk %s", d.transfer_id, message, answer.text,
