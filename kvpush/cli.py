@@ -1,4 +1,4 @@
-"""The `kvpush` command: serve | proxy | up | bench | demo | make-model.
+"""The `kvpush` command: serve | proxy | up | bench | demo | make-model | env | profile.
 
 Defaults come from the config dataclasses; this module only maps flags onto them.
 """
@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from kvpush.argtypes import positive_float, positive_int
 from kvpush.config import FirstToken, KVMode, ProxyConfig
 from kvpush.errors import KVPushError
 from kvpush.flags import (
@@ -101,6 +102,36 @@ def cmd_env(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_profile(args: argparse.Namespace) -> int:
+    """Time kvpush's engine on a grid, fit an emulation clock, write the profile (emulate/measure.py)."""
+    import json
+    from pathlib import Path
+
+    from kvpush.bench.machine import machine_line
+    from kvpush.emulate.measure import describe, grid, make_profile, time_steps
+    from kvpush.emulate.profile import Link, load_profile
+    from kvpush.engine.engine import LLMEngine
+
+    if args.emulate is not None:
+        raise SystemExit("kvpush: profile measures the real engine: it does not take --emulate")
+    engine = LLMEngine(engine_config_from_args(args))
+    steps = grid(engine.max_model_len, args.quick)
+    lay = engine.layout
+    points = time_steps(engine.runner, lay.block_size, lay.num_blocks, engine.arch.vocab_size, steps, args.repeats)
+    command = "kvpush " + " ".join(getattr(args, "argv", None) or ["profile", args.model])
+    machine = machine_line().removeprefix("machine: ")
+    profile = make_profile(args.name or Path(args.out).stem, engine, points,
+                           Link(args.link_gbps, args.link_latency_us * 1e-6), command, machine)
+    Path(args.out).write_text(json.dumps(profile.to_json(), indent=1) + "\n")
+    load_profile(args.out)  # it reads back as a profile: `--emulate FILE` takes it
+    print(f"{machine}\n| step | measured ms | fitted ms | fitted / measured |\n|---|---|---|---|")
+    for p in points:
+        fitted = profile.clock.step_time(p.step)
+        print(f"| {describe(p.step)} | {p.measured_s * 1e3:.2f} | {fitted * 1e3:.2f} | {fitted / p.measured_s:.2f} |")
+    print(f"wrote {args.out} (kvpush serve MODEL --emulate {args.out})")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvpush", description=__doc__, formatter_class=HelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -139,6 +170,21 @@ def build_parser() -> argparse.ArgumentParser:
                        formatter_class=HelpFormatter)
     p.add_argument("--json", action="store_true", help="print them as JSON, as benchmark runs record them")
     p.set_defaults(func=cmd_env)
+    p = sub.add_parser("profile", help="time kvpush's engine on this machine into an emulation profile (--emulate FILE)",
+                       formatter_class=HelpFormatter)
+    p.add_argument("model", help="checkpoint directory (Hugging Face format)")
+    p.add_argument("-o", "--out", required=True, help="the profile to write (JSON, docs/emulation.md's format)")
+    p.add_argument("--name", default=None, help="the profile's name (default: the output file's name, less .json)")
+    p.add_argument("--repeats", type=positive_int, default=3, help="timed steps per grid point, median (default: 3)")
+    p.add_argument("--quick", action="store_true",
+                   help="a small grid of short prompts, for tests (default: prefills to 2,048 tokens, decode batches "
+                        "to 32)")
+    p.add_argument("--link-gbps", type=positive_float, default=10.0,
+                   help="the emulated link's bandwidth per rank, Gbit/s; not measured (default: 10)")
+    p.add_argument("--link-latency-us", type=positive_float, default=50.0,
+                   help="the emulated link's one-way latency, us; not measured (default: 50)")
+    add_engine_arguments(p)
+    p.set_defaults(func=cmd_profile)
     _add_bench(sub)
     return parser
 
@@ -175,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         up_args, serve_args = up_parser().parse_known_args(argv[1:])
         return cmd_up(up_args, serve_args)
     args = build_parser().parse_args(argv)
+    args.argv = list(argv)
     try:
         return int(args.func(args) or 0)
     except KVPushError as e:

@@ -12,7 +12,7 @@ import sys
 from kvpush.cli import parsers
 from kvpush.flags import HelpFormatter
 
-ORDER = ("serve", "proxy", "up", "bench", "bench compare", "demo", "make-model", "env")
+ORDER = ("serve", "proxy", "up", "bench", "bench compare", "demo", "make-model", "env", "profile")
 HEADER = """# Configuration
 
 Every flag of every `kvpush` command, grouped as `--help` groups them. Generated from the parsers by
