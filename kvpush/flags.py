@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import fields
 
-from kvpush.argtypes import non_negative_float, positive_float, unit_fraction
+from kvpush.argtypes import non_negative_float, positive_float, positive_int, unit_fraction
 from kvpush.config import (
     AdmissionConfig,
     CacheConfig,
@@ -274,6 +274,11 @@ def add_proxy_arguments(p: argparse.ArgumentParser) -> None:
                    help="the Bearer token the instances expect (default: none sent)")
     g.add_argument("--probe-interval-s", type=positive_float, default=_default(ProxyConfig, "probe_interval_s"),
                    help="how often the proxy asks every instance for /v1/kv_info (health, draining, restarts)")
+    g.add_argument("--probe-timeout-s", type=positive_float, default=_default(ProxyConfig, "probe_timeout_s"),
+                   help="a probe not answered within this many seconds is a miss")
+    g.add_argument("--probe-misses", type=positive_int, default=_default(ProxyConfig, "probe_misses"),
+                   help="an instance is skipped after this many missed probes in a row (a refused connection or a "
+                        "wrong answer: at once)")
     add_auto_arguments(p)
 
 

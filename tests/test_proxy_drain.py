@@ -32,6 +32,7 @@ class Fake:
         self.plain = 0  # completions received without kv_transfer_params (an auto proxy's local route)
         self.leg_delay_s = 0.0  # D: how long a leg with kv_transfer_params takes to answer
         self.resets = 0  # POST /reset_prefix_cache received
+        self.slow_s = 0.0  # how long GET /v1/kv_info takes to answer (a busy instance)
         self.reset_status = 200
         self.runner: web.AppRunner | None = None
 
@@ -46,6 +47,7 @@ class Fake:
         return self
 
     async def kv_info(self, request: web.Request) -> web.Response:
+        await asyncio.sleep(self.slow_s)
         return web.json_response({"engine_id": f"{self.role}-{self.port}", "role": self.role, "kv_mode": self.mode,
                                   "kv_host": "127.0.0.1", "kv_port": 1, "block_size": 16, "max_model_len": 512,
                                   "draining": self.draining})
@@ -89,14 +91,16 @@ class Fake:
     async def stop(self) -> None:
         if self.runner is not None:
             await self.runner.cleanup()
+            self.runner = None
 
 
-async def deploy(mode: str, decodes: list[Fake], prefills: list[Fake] | None = None, api_key: str | None = None):
+async def deploy(mode: str, decodes: list[Fake], prefills: list[Fake] | None = None, api_key: str | None = None,
+                 **config):
     prefills = prefills or [Fake("prefill", mode)]
     for f in [*prefills, *decodes]:
         await f.start()
     config = ProxyConfig(prefill_urls=tuple(f.url for f in prefills), decode_urls=tuple(f.url for f in decodes),
-                         kv_mode=KVMode(mode), probe_interval_s=3600, api_key=api_key)  # no re-probe in the test
+                         kv_mode=KVMode(mode), probe_interval_s=3600, api_key=api_key, **config)  # no re-probe in the test
     proxy = Proxy(config)
     await proxy.start(wait_s=10)
     runner = web.AppRunner(proxy.build_app())
@@ -258,3 +262,30 @@ def test_a_client_closing_after_done_is_no_error(monkeypatch, caplog):
     with caplog.at_level("INFO"):
         asyncio.run(main())
     assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
+
+
+def test_a_slow_probe_is_a_miss_and_only_misses_in_a_row_skip_an_instance():
+    """A busy instance that answers a probe late is kept until it missed --probe-misses in a row; one that
+    refuses the connection is skipped at once."""
+    async def main():
+        d = Fake("decode", "push")
+        proxy, runner, url, prefills = await deploy("push", [d], probe_timeout_s=0.2, probe_misses=3)
+        try:
+            d.slow_s = 1.0
+            for _ in range(2):
+                await proxy.probe_all()
+            assert proxy.decodes[0].healthy and proxy.decodes[0].misses == 2
+            assert (await ask(url, 1))[0][0] == 200  # still served
+            await proxy.probe_all()
+            assert not proxy.decodes[0].healthy
+            assert (await ask(url, 1))[0][0] == 503  # no healthy decode instance
+            d.slow_s = 0.0
+            await proxy.probe_all()
+            assert proxy.decodes[0].healthy and proxy.decodes[0].misses == 0
+            await prefills[0].stop()  # refuses connections from now on
+            await proxy.probe_all()
+            assert not proxy.prefills[0].healthy
+        finally:
+            await teardown(proxy, runner, [*prefills, d])
+
+    asyncio.run(main())

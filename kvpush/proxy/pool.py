@@ -2,7 +2,8 @@
 
 Each instance is probed (GET /v1/kv_info) every --probe-interval-s: one that answers with the expected
 role and --kv-mode is healthy; a new engine id means it restarted (it rejoins, with an empty cache); a
-`draining` one is not chosen until it says otherwise; one that does not answer is skipped until it does.
+`draining` one is not chosen until it says otherwise; one that does not answer within --probe-timeout-s
+--probe-misses times in a row, refuses the connection or answers wrongly is skipped until it answers again.
 
 A vLLM instance with kvpush's connector (kvpush.vllm_connector) has no /v1/kv_info (404): the proxy asks
 its connector instead, with a one-token completion whose kv_transfer_params are INFO_QUERY
@@ -47,6 +48,7 @@ class Instance:
     served: int = 0
     shed_until: float = 0.0  # monotonic time until which it said it sheds (its 429/503's Retry-After)
     vllm: bool = False  # a vLLM instance with kvpush's connector (no /v1/kv_info; it recomputes P's token)
+    misses: int = 0  # probes in a row not answered in time
 
     @property
     def usable(self) -> bool:
@@ -91,12 +93,20 @@ class InstancePool:
             if inst.vllm and inst.healthy:
                 info = await self._vllm_alive(inst)
             else:
-                async with self.session.get(inst.url + "/v1/kv_info", timeout=aiohttp.ClientTimeout(total=2)) as r:
+                timeout = aiohttp.ClientTimeout(total=self.config.probe_timeout_s)
+                async with self.session.get(inst.url + "/v1/kv_info", timeout=timeout) as r:
                     if r.status == 200:
                         info = _kv_info_decoder.decode(await r.read())
                     elif r.status == 404:
                         info = await self._vllm_info(inst)
-        except (TimeoutError, aiohttp.ClientError, msgspec.DecodeError, KeyError, TypeError, ValueError):
+        except TimeoutError:
+            inst.misses += 1
+            if inst.healthy and inst.misses < self.config.probe_misses:
+                log.info("%s did not answer its probe in %g s (%d in a row)", inst.url, self.config.probe_timeout_s,
+                         inst.misses)
+                return  # slow, not gone (yet)
+            info = None
+        except (aiohttp.ClientError, msgspec.DecodeError, KeyError, TypeError, ValueError):
             info = None
         # A vLLM instance whose connector runs mode auto takes legs of either mode (the pair must both be auto)
         modes = (self.config.kv_mode.value, "auto") if inst.vllm else (self.config.kv_mode.value,)
@@ -111,7 +121,7 @@ class InstancePool:
             self.restarted(inst)
         if info.draining != inst.draining:
             log.info("%s %s", inst.url, "is draining: no new requests go there" if info.draining else "serves again")
-        inst.healthy, inst.draining = True, info.draining
+        inst.healthy, inst.draining, inst.misses = True, info.draining, 0
         inst.engine_id, inst.kv_host, inst.kv_port, inst.kv_mode = (info.engine_id, info.kv_host, info.kv_port,
                                                                     info.kv_mode)
         inst.block_size = info.block_size
@@ -119,7 +129,8 @@ class InstancePool:
     async def _vllm_alive(self, inst: Instance) -> KVInfo | None:
         """A known vLLM instance: alive (GET /health) keeps what its connector said."""
         assert self.session is not None
-        async with self.session.get(inst.url + "/health", timeout=aiohttp.ClientTimeout(total=2)) as r:
+        async with self.session.get(inst.url + "/health",
+                                    timeout=aiohttp.ClientTimeout(total=self.config.probe_timeout_s)) as r:
             if r.status != 200:
                 return None
         return KVInfo(engine_id=inst.engine_id, role=inst.role, kv_mode=inst.kv_mode, kv_host=inst.kv_host,
