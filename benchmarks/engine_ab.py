@@ -3,10 +3,12 @@
     python benchmarks/engine_ab.py --a huge_pages=off --b huge_pages=on [--repeats 9]
                                    [--workloads decode1 decode16 prefill512] [--model DIR]
     python benchmarks/engine_ab.py --a linear=mkl --b linear=onednn     # the two linear backends
+    python benchmarks/engine_ab.py --a attention=kernel --b attention=sdpa   # the two decode attentions
 
 Builds one LLMEngine per variant (settings: `compile=on|off|auto`, `huge_pages=on|off`,
 `trim=on|off`: the heap trimmed before each timed workload, `linear=auto|mkl|onednn`: the
 linear layers' backend, --linear-backend; default auto, what this machine's calibration chose;
+`attention=auto|kernel|sdpa`: decode attention, --decode-attention (default auto, likewise);
 `wrapper=cpp|python`: the compiled graph's wrapper, inductor's C++ one (kvpush's default on CPU) or
 Python; each compiled variant gets a graph of its own, engine/compiler.py's separate_graphs), then per
 repeat runs every workload on both engines, the order alternating between repeats, so that the
@@ -31,6 +33,7 @@ from kvpush.bench.stats import fmt_ci, p50, ratio_ci, verdict
 from kvpush.config import (
     CacheConfig,
     CompileMode,
+    DecodeAttention,
     EngineConfig,
     LinearBackend,
     ModelConfig,
@@ -43,7 +46,7 @@ from kvpush.engine.native_memory import trim_heap
 
 # trim=on: malloc_trim right before each timed workload of that variant, as the engine core does when idle
 SETTINGS = {"compile": ("on", "off", "auto"), "huge_pages": ("on", "off"), "trim": ("on", "off"),
-            "linear": ("auto", "mkl", "onednn"), "wrapper": ("cpp", "python")}
+            "linear": ("auto", "mkl", "onednn"), "attention": ("auto", "kernel", "sdpa"), "wrapper": ("cpp", "python")}
 DECODE_STEPS = 32
 
 
@@ -66,7 +69,8 @@ def build(model: str, settings: dict[str, str]) -> LLMEngine:
             CacheConfig(num_blocks=2048, enable_prefix_caching=False),
             SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=4096),
             compile=CompileMode(settings.get("compile", "auto")),
-            linear_backend=LinearBackend(settings.get("linear", "auto"))))
+            linear_backend=LinearBackend(settings.get("linear", "auto")),
+            decode_attention=DecodeAttention(settings.get("attention", "auto"))))
 
 
 def parse_workload(name: str) -> tuple[str, int] | None:
@@ -113,7 +117,7 @@ def main() -> None:
     print(f"A = {args.a or 'defaults'}, B = {args.b or 'defaults'}; {model}, one torch thread, "
           f"{args.repeats} repeats alternating")
     for v, eng in engines.items():
-        print(f"{v}: compiled {eng.runner.compiled}; {eng.linear_choice.line()}")
+        print(f"{v}: compiled {eng.runner.compiled}; {eng.linear_choice.line()}; {eng.attention_choice.line()}")
     print()
     print("| workload | A ms (median) | B ms (median) | B/A [95% CI] | verdict |")
     print("|---|---|---|---|---|")

@@ -1,6 +1,6 @@
 """vLLM with kvpush's connector against vLLM alone and vLLM's own NIXL connectors (issue #36's targets).
 
-    python benchmarks/vllm_connector.py [--vllm .vllm-peer] [--groups kvpush nixl nixl-push]
+    python benchmarks/vllm_connector.py [--vllm .vllm-peer] [--groups kvpush nixl nixl-push] [--fronts F ...]
         [--rates 0 1] [--num-prompts 16] [--repeats 2] [--input-len 512] [--output-len 32]
         [--fragment] [--timeout-s 300] [--idle-s 10] [--idle-settle-s 5] [--seed 0] [--temperature 0]
         [--result-dir DIR]
@@ -25,7 +25,8 @@ it served, colocated or with a connector (seen 2026-12-07 in its threads' CPU ti
 VLLM::Worker thread), which would otherwise be counted against whichever instance served last. With
 --fragment, every vLLM instance's free block list is reordered so that no two blocks it hands out in a
 row are adjacent (benchmarks/vllm_fragment). Descriptors and post time per posted transfer come from
-kvpush's and vLLM's NIXL counters in /metrics. Writes table.md and results.json.
+kvpush's and vLLM's NIXL counters in /metrics; how kvpush's proxy sent each stream's first token (P's,
+or D's when P's came late or was no text to send) from its /metrics. Writes table.md and results.json.
 """
 
 from __future__ import annotations
@@ -124,7 +125,7 @@ def posted_per_transfer(urls: list[str], kind: str) -> dict[str, float]:
 def run_group(args, cfg, model: str, group: str, colocated: ServerProcess, logs: Path, results: dict) -> None:
     p = instance(args, model, f"{group}-p", 0, group, logs)
     d = instance(args, model, f"{group}-d", 1, group, logs)
-    fronts = {name: front(name, p, d, logs) for name in FRONTS[group]}
+    fronts = {name: front(name, p, d, logs) for name in FRONTS[group] if not args.fronts or name in args.fronts}
     procs = [p, d, *fronts.values()]
     try:
         start_all([p, d], args.start_timeout_s)
@@ -148,9 +149,18 @@ def run_group(args, cfg, model: str, group: str, colocated: ServerProcess, logs:
                     results["runs"].append({"group": group, "front": n, "rate": rate, "rep": rep,
                                             "run": None if run is None else run.as_dict()})
         results["posted"][group] = {role: posted_per_transfer([s.url], group) for role, s in (("P", p), ("D", d))}
+        results["first_token"].update({name: first_token_outcomes(s.url) for name, s in fronts.items()
+                                       if name.startswith("kvpush-") and not name.endswith("router")})
     finally:
         for proc in reversed(procs):
             proc.stop()
+
+
+def first_token_outcomes(url: str) -> dict[str, float]:
+    """kvpush's proxy: its streams by how their first token went (P's token first, or D's: late,
+    unusable), warm-up included."""
+    return {o: metric_sums(url, "kvpush_proxy_first_token_from_prefill_total", outcome=o)
+            for o in ("relayed", "late", "unusable", "mismatch")}
 
 
 def cell(values: list[float], stat) -> str:
@@ -194,6 +204,9 @@ def table(results: dict) -> str:
         lines.append(f"Posted transfers, {group}: " + "; ".join(
             f"{role} {x['transfers']:g} posted, {x['descs']:.1f} descriptors and {x['post_ms']:.2f} ms post each"
             for role, x in roles.items() if x["transfers"]))
+    for name, outcomes in results.get("first_token", {}).items():
+        lines.append(f"First token, {name} (streams, warm-up included): "
+                     + ", ".join(f"{o} {n:g}" for o, n in outcomes.items()))
     return "\n".join(lines) + "\n"
 
 
@@ -203,6 +216,8 @@ def main() -> None:
     ap.add_argument("--vllm", default=".vllm-peer", help="the vLLM peer's directory (make vllm-peer; default: .vllm-peer)")
     ap.add_argument("--groups", nargs="+", choices=list(FRONTS), default=list(FRONTS),
                     help="deployments to bring up in turn (default: all)")
+    ap.add_argument("--fronts", nargs="+", choices=[f for fs in FRONTS.values() for f in fs], default=None,
+                    help="only these front doors of the groups (default: every front of each group)")
     ap.add_argument("--rates", type=float, nargs="+", default=[0.0, 1.0],
                     help="request rates per second; 0 = one at a time (default: 0 1)")
     ap.add_argument("--num-prompts", type=int, default=16, help="requests per run (default: 16)")
@@ -230,7 +245,7 @@ def main() -> None:
     logs = Path(cfg.result_dir, "logs")
     logs.mkdir(parents=True, exist_ok=True)
     results: dict = {"machine": machine_line(), "args": vars(args), "runs": [], "idle_cpu": {}, "posted": {},
-                     "errors": []}
+                     "first_token": {}, "errors": []}
     colocated = instance(args, model, "colocated", 0, None, logs)
     try:
         start_all([colocated], args.start_timeout_s)

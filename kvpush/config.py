@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import TypeVar
 
 
 class Role(StrEnum):
@@ -59,6 +60,9 @@ def compile_mode_default() -> CompileMode:
     return CompileMode(os.environ.get("KVPUSH_COMPILE", CompileMode.AUTO.value))
 
 
+_E = TypeVar("_E", bound=StrEnum)
+
+
 class LinearBackend(StrEnum):
     """How the model's linear layers multiply on a CPU (layers/linear.py): `mkl` plain nn.Linear (torch's
     matmul, MKL), `onednn` weights packed once at load for oneDNN; `auto` times both on the model's shapes
@@ -76,11 +80,36 @@ def linear_backend_default() -> LinearBackend:
 
 def parse_linear_backend(value: str | LinearBackend) -> LinearBackend:
     """A LinearBackend from its name; ValueError that lists the names."""
+    return _parse_choice(LinearBackend, value, "linear backend")
+
+
+def _parse_choice(cls: type[_E], value: str | _E, what: str) -> _E:
     try:
-        return LinearBackend(value)
+        return cls(value)
     except ValueError:
-        names = ", ".join(b.value for b in LinearBackend)
-        raise ValueError(f"linear backend {value!r}: expected one of {names}") from None
+        names = ", ".join(b.value for b in cls)
+        raise ValueError(f"{what} {value!r}: expected one of {names}") from None
+
+
+class DecodeAttention(StrEnum):
+    """How decode rows attend on a CPU (layers/attention.py): `kernel` the C kernel reads each sequence's
+    K/V in place from the cache (fp32 CPU caches; needs a C compiler), `sdpa` the blocks are gathered and
+    one padded SDPA call attends; `auto` times both on the model's attention shapes at start-up and keeps
+    the faster, cached per CPU model and torch version (engine/attention_choice.py)."""
+
+    AUTO = "auto"
+    KERNEL = "kernel"
+    SDPA = "sdpa"
+
+
+def decode_attention_default() -> DecodeAttention:
+    """`auto`, unless KVPUSH_DECODE_ATTENTION says otherwise (the test suite sets `kernel`)."""
+    return parse_decode_attention(os.environ.get("KVPUSH_DECODE_ATTENTION", DecodeAttention.AUTO.value))
+
+
+def parse_decode_attention(value: str | DecodeAttention) -> DecodeAttention:
+    """A DecodeAttention from its name; ValueError that lists the names."""
+    return _parse_choice(DecodeAttention, value, "decode attention")
 
 
 def linear_cache_dir() -> str:
@@ -154,6 +183,7 @@ class EngineConfig:
     seed: int = 0
     compile: CompileMode = field(default_factory=compile_mode_default)
     linear_backend: LinearBackend = field(default_factory=linear_backend_default)
+    decode_attention: DecodeAttention = field(default_factory=decode_attention_default)
     emulation: EmulationConfig = field(default_factory=EmulationConfig)
 
     def __post_init__(self) -> None:

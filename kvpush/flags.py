@@ -14,6 +14,7 @@ from kvpush.config import (
     AdmissionConfig,
     CacheConfig,
     CompileMode,
+    DecodeAttention,
     EmulationConfig,
     EngineConfig,
     Faults,
@@ -28,6 +29,7 @@ from kvpush.config import (
     ServerConfig,
     TransferConfig,
     compile_mode_default,
+    decode_attention_default,
     linear_backend_default,
     torch_threads_default,
 )
@@ -69,6 +71,11 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="the linear layers' CPU backend: mkl (plain nn.Linear), onednn (weights packed once at "
                         "load), auto (time both on the model's shapes at start-up, keep the faster; cached per "
                         "CPU model and torch version) (default: $KVPUSH_LINEAR_BACKEND, else auto)")
+    g.add_argument("--decode-attention", default=None, choices=[b.value for b in DecodeAttention],
+                   help="how decode rows attend on a CPU: kernel (a C kernel reads K/V in place; fp32), sdpa "
+                        "(blocks gathered, one SDPA call), auto (time both on the model's shapes at start-up, keep "
+                        "the faster; cached per CPU model and torch version) (default: $KVPUSH_DECODE_ATTENTION, "
+                        "else auto)")
     g.add_argument("--emulate", default=None, metavar="PROFILE",
                    help="replace the model's forward by an emulated accelerator: a shipped profile's name "
                         "(qwen3-8b-h100, qwen3-32b-h200-tp8) or a profile file; MODEL supplies only the tokenizer; "
@@ -125,10 +132,19 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             seed=args.seed,
             compile=CompileMode(args.compile),
             linear_backend=_linear_backend(args.linear_backend),
+            decode_attention=_decode_attention(args.decode_attention),
             emulation=_emulation(args),
         )
     except ValueError as exc:
         raise SystemExit(f"kvpush: {exc}") from None
+
+
+def _decode_attention(name: str | None) -> DecodeAttention:
+    """--decode-attention, else $KVPUSH_DECODE_ATTENTION (checked here), else auto."""
+    try:
+        return DecodeAttention(name) if name else decode_attention_default()
+    except ValueError as e:
+        raise SystemExit(f"kvpush: $KVPUSH_DECODE_ATTENTION: {e}") from None
 
 
 def _emulation(args: argparse.Namespace) -> EmulationConfig:

@@ -12,6 +12,7 @@ os.environ.setdefault("KVPUSH_TORCH_THREADS", "1")
 os.environ.setdefault("KVPUSH_COMPILE", "off")  # compiled only where a test asks for it
 # plain linears unless a test forces oneDNN: no calibration at every engine start, no writes to the user's cache
 os.environ.setdefault("KVPUSH_LINEAR_BACKEND", "mkl")
+os.environ.setdefault("KVPUSH_DECODE_ATTENTION", "kernel")  # the C kernel, as before: no calibration per test engine
 
 
 def pytest_addoption(parser) -> None:

@@ -45,7 +45,12 @@ def test_what_of_p_s_answer_is_usable():
         PrefillAnswer(" a", False, "cmpl-x", 7, "m")
     chat = PrefillAnswer.parse({**base, "choices": [{**done, "message": {"role": "helper", "content": "b"}}]}, chat=True)
     assert chat is not None and chat.text == "b" and chat.chunks()[0]["choices"][0]["delta"]["role"] == "helper"
-    for choice in ({**done, "text": ""}, {**done, "text": "\ufffd"}, {"index": 0, "finish_reason": "stop", "text": "a"},
+    # a token ending inside a character: vLLM streams its chunk with empty text, and so does the proxy
+    held = PrefillAnswer.parse({**base, "choices": [{**done, "text": ""}]}, chat=False)
+    assert held is not None and held.text == "" and held.chunks()[0]["choices"][0]["text"] == ""
+    invalid = PrefillAnswer.parse({**base, "choices": [{**done, "text": "\ufffd\ufffd"}]}, chat=False)
+    assert invalid is not None and invalid.text == "\ufffd\ufffd"  # bytes that form no character: final
+    for choice in ({"index": 0, "finish_reason": "stop", "text": "a"},
                    {**done, "text": None}):
         assert PrefillAnswer.parse({**base, "choices": [choice]}, chat=False) is None
     for message in ({"content": None, "tool_calls": [{"id": "t"}]}, {"content": "a", "reasoning_content": "r"}):
@@ -181,6 +186,20 @@ def test_d_computing_another_first_token_ends_the_stream_with_an_error():
     assert _texts(lines) == [" z", None]  # P's token, then the error event: nothing of D's after another token
     assert "another first token" in json.loads(lines[1][6:])["error"]["message"]
     assert lines[-1] == b"data: [DONE]" and outcomes["mismatch"] == 1.0
+
+
+def test_a_token_ending_inside_a_character_goes_first_as_an_empty_chunk_then_all_of_d_s_text():
+    """P's token is the first byte of "é": vLLM streams its chunk with empty text and the character with
+    the next token. The client gets P's empty chunk at once, then D's text whole (D's empty chunk dropped)."""
+    answer = PrefillAnswer("", False, "cmpl-t1", 1, "m")
+    chunks = [{"index": 0, "text": "", "finish_reason": None}, {"index": 0, "text": "é", "finish_reason": None},
+              {"index": 0, "text": " c", "finish_reason": "length"}]
+    lines, outcomes = asyncio.run(_run(answer, chunks, d_delay_s=0.3, p_delay_s=0.0))
+    assert _texts(lines) == ["", "é", " c"] and json.loads(lines[0][6:])["id"] == "cmpl-t1"
+    assert outcomes["relayed"] == 1.0
+    merged = [{"index": 0, "text": "é c", "finish_reason": "length"}]  # D's API server read behind its engine
+    lines, _ = asyncio.run(_run(answer, merged, d_delay_s=0.3, p_delay_s=0.0))
+    assert _texts(lines) == ["", "é c"]
 
 
 def test_d_s_first_chunk_with_two_tokens():

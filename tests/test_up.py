@@ -72,15 +72,25 @@ def test_up_starts_serves_and_stops_cleanly(tiny_model, tmp_path, sig, mode):
         up.send_signal(sig)
         # SIGKILL: `up` cannot clean up; its children get SIGTERM from the kernel (parent-death signal)
         assert up.wait(60) == (-signal.SIGKILL if sig == signal.SIGKILL else 0)
-        deadline = time.monotonic() + 20
-        while alive(children) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert alive(children) == set()
+        assert gone(children, 20) == set()
     finally:
-        if up.poll() is None:
-            up.kill()
-        for pid in alive(children | descendants(up.pid)):
-            os.kill(pid, signal.SIGKILL)
+        kill_all(up, children)
+
+
+def gone(pids: set[int], timeout_s: float) -> set[int]:
+    """Waits until none of `pids` is alive, or `timeout_s`; -> those still alive."""
+    deadline = time.monotonic() + timeout_s
+    while alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return alive(pids)
+
+
+def kill_all(up: subprocess.Popen, children: set[int]) -> None:
+    """A test's teardown: `up` and everything it started, killed whatever happened."""
+    if up.poll() is None:
+        up.kill()
+    for pid in alive(children | descendants(up.pid)):
+        os.kill(pid, signal.SIGKILL)
 
 
 def test_up_hands_the_auto_flags_to_its_proxy(monkeypatch: pytest.MonkeyPatch):

@@ -86,12 +86,7 @@ def kernel_paths() -> dict[str, Any]:
     """What the engine runs here: the C decode kernel (built on first use) or gather + SDPA, and compile."""
     from kvpush.config import c_compiler, compile_mode_default
 
-    try:
-        from kvpush.layers.cpu_kernels import paged_decode_kernel
-        decode = "C paged_decode (-march=native)" if paged_decode_kernel() is not None else "gather + SDPA"
-    except ImportError:
-        decode = "unknown (torch missing)"
-    return {"decode_attention": decode, "compile_default": compile_mode_default().value,
+    return {"decode_attention": decode_attention(), "compile_default": compile_mode_default().value,
             "linear_backend": linear_backend(),
             "c_compiler": shutil.which(c_compiler()) or f"{c_compiler()} (not found: no C kernel, no inductor)"}
 
@@ -122,6 +117,31 @@ def linear_backend(cache_dir: str | None = None, shown: int = 3) -> str:
                      f"{e['measured_at'][:10]})")
     more = f" and {len(entries) - shown} more" if len(entries) > shown else ""
     return "auto, cached: " + "; ".join(parts) + more
+
+
+def decode_attention(cache_dir: str | None = None, shown: int = 3) -> str:
+    """How decode rows attend here: forced by $KVPUSH_DECODE_ATTENTION, or what calibration chose and
+    cached on this CPU model with this torch (engine/attention_choice.py), per attention shape set."""
+    from kvpush.config import DecodeAttention, decode_attention_default, linear_cache_dir
+
+    try:
+        default = decode_attention_default()
+        from kvpush.engine.attention_choice import cached_entries
+        from kvpush.layers.cpu_kernels import paged_decode_kernel
+    except ValueError as error:
+        return f"unknown ($KVPUSH_DECODE_ATTENTION: {error})"
+    except ImportError:
+        return "unknown (torch missing)"
+    kernel = "C paged_decode (-march=native)" if paged_decode_kernel() is not None else "no C kernel: gather + SDPA"
+    if default is not DecodeAttention.AUTO:
+        return f"{default.value} (forced by $KVPUSH_DECODE_ATTENTION); {kernel}"
+    entries = cached_entries(cache_dir or linear_cache_dir(), cpu())
+    if not entries:
+        return f"auto: not calibrated on this CPU with this torch yet (an engine calibrates at start-up); {kernel}"
+    parts = [f"{e['path']} for heads/kv heads/head_dim/block {'/'.join(map(str, e['key']['shapes']))} "
+             f"({e['key']['dtype']}; sdpa/kernel {e['ratio']:.2f}, {e['measured_at'][:10]})" for e in entries[:shown]]
+    more = f" and {len(entries) - shown} more" if len(entries) > shown else ""
+    return "auto, cached: " + "; ".join(parts) + more + f"; {kernel}"
 
 
 @functools.lru_cache(maxsize=1)

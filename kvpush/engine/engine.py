@@ -29,6 +29,8 @@ from kvpush.emulate.lateness import EmulationStats
 from kvpush.emulate.profile import load_profile
 from kvpush.emulate.runner import EmulatedRunner
 from kvpush.emulate.setup import emulated_arch, emulated_runner
+from kvpush.engine.attention_choice import AttentionChoice
+from kvpush.engine.attention_choice import choose_for as choose_attention
 from kvpush.engine.block_manager import BlockManager
 from kvpush.engine.device import resolve_device
 from kvpush.engine.kv_cache import KVCache, KVLayout
@@ -89,7 +91,8 @@ class LLMEngine:
                                    self.max_model_len)
         self.eos_token_ids = set(self.arch.eos_token_ids) | _generation_eos(config.model.model)
         self.runner: StepRunner = (
-            ModelRunner(self.model, self.cache, self.device, config.seed, config.compile) if self.profile is None
+            ModelRunner(self.model, self.cache, self.device, config.seed, config.compile,
+                        self._attention(config).kernel) if self.profile is None
             else emulated_runner(self.cache, self.profile, config.emulation.time_scale, config.model.model,
                                  self.arch.vocab_size, self.eos_token_ids, self.max_model_len))
         self.finished: list[EngineOutput] = []
@@ -114,6 +117,12 @@ class LLMEngine:
         self.model, self.arch, self.dtype = load_model(config.model.model, config.model.dtype, str(self.device),
                                                           huge_pages=config.model.huge_pages,
                                                           linear_backend=self.linear_choice.backend)
+
+    def _attention(self, config: EngineConfig) -> AttentionChoice:
+        self.attention_choice = choose_attention(config.decode_attention, self.layout, self.arch.num_heads,
+                                                 self.device, machine.cpu())  # --decode-attention
+        log.info("%s", self.attention_choice.line())
+        return self.attention_choice
 
     def set_connector(self, connector: KVConnector) -> None:
         """Install the KV connector of a prefill or decode role (before any request)."""

@@ -20,14 +20,8 @@ up to layers/linear.py's HEAD_MAX_BYTES.
 
 from __future__ import annotations
 
-import datetime
-import fcntl
-import hashlib
-import json
 import math
-import os
 import statistics
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -38,15 +32,14 @@ import torch
 from torch import nn
 
 from kvpush.config import CompileMode, EngineConfig, LinearBackend, linear_cache_dir
+from kvpush.engine import calibration as cal
+from kvpush.engine.calibration import cpu_identity
 from kvpush.errors import DeviceError, ModelLoadError
 from kvpush.layers import linear as L
 
 FORMAT = 1  # of the cache file; a new one invalidates old files
 MARGIN = 0.03  # oneDNN must be this much faster (geometric mean) to be chosen: noise keeps MKL
 CALIBRATION_BYTES = 128 << 20  # weights copied for timing: enough to stream past a CPU's caches
-MIN_ROUNDS, MAX_ROUNDS = 3, 9  # alternating rounds per workload (both backends each round)
-BUDGET_S = 1.5  # per workload: rounds stop here once MIN_ROUNDS ran
-SAMPLE_S = 0.01  # one timed sample repeats the pass until it lasts about this long
 
 
 @dataclass(frozen=True)
@@ -123,11 +116,6 @@ def timed_shapes(shapes: Sequence[Shape], dtype: torch.dtype, budget: int = CALI
     return out + [s for s in shapes if s.logits]
 
 
-def cpu_identity(cpu: dict[str, Any]) -> dict[str, Any]:
-    """The facts of bench/machine.py's cpu() that name a CPU model."""
-    return {k: cpu.get(k) for k in ("model", "vendor", "family", "model_number", "stepping", "arch", "vector_flags")}
-
-
 def cache_key(cpu: dict[str, Any], shapes: Sequence[Shape], dtype: torch.dtype, threads: int, through_op: bool,
               huge_pages: bool) -> dict[str, Any]:
     return {"format": FORMAT, "cpu": cpu_identity(cpu), "torch": str(torch.__version__), "threads": threads,
@@ -137,31 +125,20 @@ def cache_key(cpu: dict[str, Any], shapes: Sequence[Shape], dtype: torch.dtype, 
 
 
 def cache_path(cache_dir: str, key: dict[str, Any]) -> Path:
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    return Path(cache_dir) / f"linear-{digest}.json"
+    return cal.cache_path(cache_dir, "linear", key)
 
 
 def read_entry(path: Path) -> dict[str, Any] | None:
-    try:
-        entry = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    ok = isinstance(entry, dict) and entry.get("backend") in (LinearBackend.MKL, LinearBackend.ONEDNN)
+    entry = cal.read_json(path)
+    ok = entry is not None and entry.get("backend") in (LinearBackend.MKL, LinearBackend.ONEDNN)
     return entry if ok else None
-
-
-def _write_entry(path: Path, entry: dict[str, Any]) -> None:
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as f:
-        json.dump(entry, f, indent=1, sort_keys=True)
-    os.replace(f.name, path)  # atomic: engines starting at once each install a whole file
 
 
 def cached_entries(cache_dir: str, cpu: dict[str, Any]) -> list[dict[str, Any]]:
     """Every cached choice made on this CPU model with this torch (for `kvpush env`), newest first."""
     here = {"cpu": cpu_identity(cpu), "torch": str(torch.__version__), "format": FORMAT}
-    entries = [e for p in sorted(Path(cache_dir).glob("linear-*.json")) if (e := read_entry(p)) is not None]
-    entries = [e for e in entries if all(e.get("key", {}).get(k) == v for k, v in here.items())]
-    return sorted(entries, key=lambda e: e.get("measured_at", ""), reverse=True)
+    return [e for e in cal.entries(cache_dir, "linear", here) if e.get("backend") in (LinearBackend.MKL,
+                                                                                      LinearBackend.ONEDNN)]
 
 
 def choose(requested: LinearBackend, model: nn.Module, dtype: torch.dtype, device: torch.device, *,
@@ -186,10 +163,7 @@ def choose(requested: LinearBackend, model: nn.Module, dtype: torch.dtype, devic
     path = cache_path(cache_dir, key)
     if (cached := _cached(path, key)) is not None:
         return cached
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_suffix(".lock"), "w") as lock:
-        # Instances starting together (kvpush up) measure once: the others wait, then read its choice.
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with cal.locked(path):  # instances starting together (kvpush up) measure once
         if (cached := _cached(path, key)) is not None:
             return cached
         start = time.perf_counter()
@@ -199,8 +173,8 @@ def choose(requested: LinearBackend, model: nn.Module, dtype: torch.dtype, devic
             return Choice(LinearBackend.MKL, "unavailable", note=f"oneDNN failed: {str(e).strip().splitlines()[0]}")
         seconds = time.perf_counter() - start
         backend = decide(timings)
-        when = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-        _write_entry(path, {"key": key, "backend": backend.value, "timings": timings, "ratio": ratio(timings),
+        when = cal.now()
+        cal.write_entry(path, {"key": key, "backend": backend.value, "timings": timings, "ratio": ratio(timings),
                             "measured_at": when, "seconds": round(seconds, 2), "model": label})
     return Choice(backend, "measured", timings, str(path), seconds, when)
 
@@ -271,27 +245,6 @@ def measure_backends(shapes: Sequence[Shape], dtype: torch.dtype, through_op: bo
                 for x, m in zip(ins, packed, strict=True):
                     onednn(x, m)
 
-            out[w.name] = _alternate(mkl_pass, onednn_pass)
+            out[w.name] = cal.alternate(mkl_pass, onednn_pass)
     return out
 
-
-def _alternate(a: Callable[[], None], b: Callable[[], None]) -> tuple[float, float]:
-    """Median ms of one call of a and of b, timed in alternating rounds."""
-    reps = []
-    for fn in (a, b):  # warm: first touch of every weight, oneDNN's primitive for this shape
-        t = time.perf_counter()
-        fn()
-        reps.append(max(1, round(SAMPLE_S / max(time.perf_counter() - t, 1e-6))))
-    n = min(reps)
-    times: tuple[list[float], list[float]] = ([], [])
-    start = time.perf_counter()
-    for r in range(MAX_ROUNDS):
-        if r >= MIN_ROUNDS and time.perf_counter() - start > BUDGET_S:
-            break
-        for i in ((0, 1) if r % 2 == 0 else (1, 0)):
-            fn = (a, b)[i]
-            t = time.perf_counter()
-            for _ in range(n):
-                fn()
-            times[i].append((time.perf_counter() - t) * 1e3 / n)
-    return statistics.median(times[0]), statistics.median(times[1])

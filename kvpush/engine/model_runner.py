@@ -19,7 +19,7 @@ from kvpush.engine.kv_cache import KVCache
 from kvpush.engine.request import Request
 from kvpush.engine.sampling_params import SamplingParams
 from kvpush.layers.attention import AttentionMetadata, PrefillSeq
-from kvpush.layers.cpu_kernels import PagedDecode, paged_decode_kernel
+from kvpush.layers.cpu_kernels import PagedDecode
 from kvpush.layers.sampler import SamplingRow, sample
 from kvpush.models.decoder import CausalLM
 
@@ -55,7 +55,7 @@ class ModelInput:
 
 class ModelRunner:
     def __init__(self, model: CausalLM, cache: KVCache, device: torch.device, seed: int = 0,
-                 compile_mode: CompileMode = CompileMode.OFF) -> None:
+                 compile_mode: CompileMode = CompileMode.OFF, decode_kernel: PagedDecode | None = None) -> None:
         self.model = model
         self.cache = cache
         self.device = device
@@ -63,10 +63,9 @@ class ModelRunner:
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
         # Called after each layer of the next forward wrote its K/V (set per step by a layer-wise KV connector).
         self.layer_hook: Callable[[int], None] | None = None
-        # Decode rows attend in place over the cache where the C kernel serves (CPU, fp32).
-        self.decode_kernel: PagedDecode | None = None
-        if cache.kv.device.type == "cpu" and cache.kv.dtype == torch.float32:
-            self.decode_kernel = paged_decode_kernel()
+        # Decode rows attend in place over the cache with the C kernel, where given (--decode-attention:
+        # engine/attention_choice.py); else gather + SDPA.
+        self.decode_kernel = decode_kernel
         self.compiled = compiler.compile_model(model, compile_mode, self.warm_up)
 
     @property

@@ -108,7 +108,7 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:  # [T, H, hd] contiguous
     cache.write(layer, meta.slot_rows, k, v)
-    parts = [_decode_batch(q, layer, meta, cache, scale)] if meta.num_decode else []
+    parts = [decode_batch(q, layer, meta, cache, scale)] if meta.num_decode else []
     parts += [_prefill_one(q, k, v, seq, layer, cache, scale) for seq in meta.prefills]
     return (parts[0] if len(parts) == 1 else torch.cat(parts)).contiguous()
 
@@ -159,7 +159,7 @@ def _chunk_mask(qlen: int, ctx: int, device: torch.device) -> torch.Tensor:
     return cols <= rows
 
 
-def _decode_batch(q, layer: int, meta: AttentionMetadata, cache: KVCache, scale: float) -> torch.Tensor:
+def decode_batch(q, layer: int, meta: AttentionMetadata, cache: KVCache, scale: float) -> torch.Tensor:
     """-> [Bd, H, hd]"""
     assert meta.decode_block_ids is not None
     n = meta.num_decode

@@ -23,7 +23,11 @@ Only where P's token is the one D computes and the chunks map one to one: a sing
 temperature 0, one choice, no beam search, no logprobs of any kind (`logprobs: 0` included), no echo,
 no stop strings (vLLM holds text back for them), no token ids, prompt text or per-chunk usage asked
 for, no tools; and P's answer a plain piece of text that ended by length (not a tool call or
-reasoning, not an incomplete character). Anything else goes through relay.py as it is. The chunks
+reasoning). That text may be empty: vLLM holds back the text of a token that ends inside a character and
+streams the token's chunk with empty text all the same, so the client gets that empty chunk from P and
+then all of D's text (nothing of D's is dropped but D's own empty chunk). It may hold replacement
+characters: vLLM's detokenizer emits them only for bytes that can no longer form a character (final, the
+same on D, whose detokenizer sees the same prompt and token); the check against D's text stands anyway. Anything else goes through relay.py as it is. The chunks
 P's token is sent in carry vLLM's id (both legs carry the same X-Request-Id, so vLLM names both
 answers alike), P's `created`, model and (chat) role, and no `token_ids` fields.
 """
@@ -98,7 +102,7 @@ class PrefillAnswer:
                 return None
         else:
             text = choice.get("text")
-        if not isinstance(text, str) or not text or "\ufffd" in text or choice.get("finish_reason") != "length":
+        if not isinstance(text, str) or choice.get("finish_reason") != "length":
             return None
         return cls(text, chat, str(body.get("id", "")), int(body.get("created") or time.time()),
                    str(body.get("model", "")), role)

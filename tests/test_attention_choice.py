@@ -1,0 +1,170 @@
+"""Decode attention's two paths (layers/attention.py: the C kernel, gather + SDPA) and the start-up choice
+between them (engine/attention_choice.py): greedy parity with each one forced, eager and compiled;
+calibration's decision, cache and key on fake timings; a real calibration on tiny shapes; the flag and
+`kvpush env`. No test asserts a speed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from test_engine import ATOL, generate, ours_logits, prompts
+
+from kvpush.bench import machine
+from kvpush.cli import build_parser
+from kvpush.config import (
+    CacheConfig,
+    CompileMode,
+    DecodeAttention,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+)
+from kvpush.engine import attention_choice as ac
+from kvpush.engine.engine import LLMEngine
+from kvpush.engine.llm import build_engine_config
+from kvpush.errors import ModelLoadError
+from kvpush.flags import engine_config_from_args
+from kvpush.layers.cpu_kernels import paged_decode_kernel
+
+pytestmark = pytest.mark.skipif(paged_decode_kernel() is None, reason="no C compiler: no kernel to choose")
+CPU = {"model": "Test CPU", "vendor": "X", "family": "6", "model_number": "1", "stepping": "0", "arch": "x86_64",
+       "vector_flags": ["avx2"]}
+SHAPES = ac.Shapes(num_heads=4, num_kv_heads=2, head_dim=16, block_size=4)
+
+
+def attention_engine(model: str, path: str, compile_mode: str = "off") -> LLMEngine:
+    return LLMEngine(EngineConfig(ModelConfig(model), CacheConfig(block_size=4, num_blocks=256),
+                                  SchedulerConfig(16, 200, True), compile=CompileMode(compile_mode),
+                                  decode_attention=DecodeAttention(path)))
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+@pytest.mark.parametrize("path", ["kernel", "sdpa"])
+def test_each_path_matches_transformers(arch, path, tiny_model, llama_model):
+    from transformers import AutoModelForCausalLM
+
+    model = tiny_model if arch == "qwen3" else llama_model
+    eng = attention_engine(model, path)
+    assert eng.attention_choice.path is DecodeAttention(path) and eng.attention_choice.source == "flag"
+    assert (eng.runner.decode_kernel is not None) == (path == "kernel")
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    prompt = prompts(eng.arch.vocab_size, (21,))[0]
+    [ours] = generate(eng, [prompt])
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)[0, len(prompt):].tolist()
+        hf_logits = hf(torch.tensor([prompt + ours])).logits[0]
+    assert ours == ref
+    assert (ours_logits(eng, prompt + ours) - hf_logits).abs().max().item() < ATOL["cpu"]
+
+
+@pytest.mark.parametrize("compile_mode", ["off", "on"])
+def test_both_paths_give_the_same_greedy_batches(tiny_model, compile_mode):
+    """Continuous batches of decodes beside prefill chunks, contexts over several blocks."""
+    ps = prompts(attention_engine(tiny_model, "sdpa").arch.vocab_size, (1, 4, 7, 13, 30, 90))
+    kernel, sdpa = (attention_engine(tiny_model, p, compile_mode) for p in ("kernel", "sdpa"))
+    assert generate(kernel, ps) == generate(sdpa, ps)
+
+
+class FakeMeasure:
+    def __init__(self, kernel_ms: float, sdpa_ms: float) -> None:
+        self.kernel, self.sdpa, self.calls = kernel_ms, sdpa_ms, 0
+
+    def __call__(self, shapes, dtype, kernel) -> ac.Timings:
+        assert kernel is not None
+        self.calls += 1
+        return {w.name: (self.kernel, self.sdpa) for w in ac.WORKLOADS}
+
+
+def choose(cache: Path, measure, requested=DecodeAttention.AUTO, shapes=SHAPES, dtype=torch.float32, device="cpu",
+           cpu=CPU) -> ac.AttentionChoice:
+    return ac.choose(requested, shapes, dtype, torch.device(device), cpu=cpu, cache_dir=str(cache), measure=measure)
+
+
+@pytest.mark.parametrize(("kernel", "sdpa", "expected"), [(1.0, 0.5, "sdpa"), (0.5, 1.0, "kernel"),
+                                                          (1.0, 0.99, "kernel")])  # within MARGIN: the kernel
+def test_calibration_picks_the_faster(tmp_path, kernel, sdpa, expected):
+    choice = choose(tmp_path, FakeMeasure(kernel, sdpa))
+    assert choice.path.value == expected and choice.source == "measured"
+    assert (choice.kernel is not None) == (expected == "kernel")
+    assert f"decode attention: {expected} (measured in" in choice.line()
+
+
+def test_calibration_is_cached_and_keyed(tmp_path):
+    first = choose(tmp_path, FakeMeasure(1.0, 0.5))
+    entry = json.loads(Path(first.file or "").read_text())
+    assert entry["path"] == "sdpa" and entry["key"]["cpu"]["model"] == "Test CPU"
+    assert entry["key"]["shapes"] == [4, 2, 16, 4] and entry["key"]["torch"] == str(torch.__version__)
+    never = FakeMeasure(0.5, 1.0)
+    again = choose(tmp_path, never)
+    assert (again.path, again.source, again.timings, never.calls) == (DecodeAttention.SDPA, "cached", first.timings, 0)
+    assert "cached from" in again.line()
+    others = ({"shapes": ac.Shapes(8, 2, 16, 4)}, {"shapes": ac.Shapes(4, 2, 16, 16)},
+              {"cpu": {**CPU, "model_number": "2"}})
+    for change in others:
+        slow = FakeMeasure(0.5, 1.0)
+        assert choose(tmp_path, slow, **change).path is DecodeAttention.KERNEL and slow.calls == 1
+    Path(first.file or "").write_text("{not json")  # a broken file is measured again
+    assert choose(tmp_path, FakeMeasure(0.5, 1.0)).source == "measured"
+    assert len(list(tmp_path.glob("decode-attention-*.json"))) == 4
+
+
+def test_forced_paths_dtypes_and_devices(tmp_path):
+    never = FakeMeasure(1.0, 1.0)
+    assert choose(tmp_path, never, DecodeAttention.SDPA).path is DecodeAttention.SDPA
+    forced = choose(tmp_path, never, DecodeAttention.KERNEL)
+    assert forced.path is DecodeAttention.KERNEL and forced.kernel is not None and "forced" in forced.line()
+    for requested in DecodeAttention:  # a GPU attends with SDPA whatever the flag says
+        cuda = choose(tmp_path, never, requested, device="cuda")
+        assert cuda.path is DecodeAttention.SDPA and "SDPA on cuda" in cuda.line()
+    bf16 = choose(tmp_path, never, dtype=torch.bfloat16)
+    assert bf16.path is DecodeAttention.SDPA and bf16.source == "unavailable" and "fp32" in bf16.line()
+    with pytest.raises(ModelLoadError, match="--decode-attention kernel: the C kernel reads fp32 caches; this one is "
+                                             "bfloat16"):
+        choose(tmp_path, never, DecodeAttention.KERNEL, dtype=torch.bfloat16)
+    assert never.calls == 0 and not list(tmp_path.iterdir())
+
+
+def test_real_calibration_on_tiny_shapes(tmp_path):
+    """Both paths run on every workload over a scattered scratch cache; no speed asserted."""
+    choice = choose(tmp_path, None)
+    assert choice.source == "measured" and set(choice.timings) == {w.name for w in ac.WORKLOADS}
+    assert all(k > 0 and s > 0 for k, s in choice.timings.values())
+
+
+def test_an_engine_calibrates_once_then_reads_the_cache(tiny_model, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    first, second = (attention_engine(tiny_model, "auto").attention_choice for _ in range(2))
+    assert (first.source, second.source) == ("measured", "cached") and first.path is second.path
+    assert first.file == second.file and Path(first.file or "").is_relative_to(tmp_path)
+
+
+def test_env_reports_the_cached_choice(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVPUSH_DECODE_ATTENTION", "auto")
+    assert "not calibrated" in machine.decode_attention(str(tmp_path))
+    choose(tmp_path, FakeMeasure(1.0, 0.5), cpu=machine.cpu())
+    text = machine.decode_attention(str(tmp_path))
+    assert text.startswith("auto, cached: sdpa for heads/kv heads/head_dim/block 4/2/16/4 (float32; sdpa/kernel 0.50")
+    monkeypatch.setenv("KVPUSH_DECODE_ATTENTION", "sdpa")
+    assert machine.decode_attention(str(tmp_path)).startswith("sdpa (forced by $KVPUSH_DECODE_ATTENTION)")
+
+
+def test_the_flag(monkeypatch, capsys):
+    def config(*flags: str) -> EngineConfig:
+        return engine_config_from_args(build_parser().parse_args(["serve", "m", *flags]))
+
+    assert config("--decode-attention", "sdpa").decode_attention is DecodeAttention.SDPA
+    monkeypatch.setenv("KVPUSH_DECODE_ATTENTION", "auto")
+    assert config().decode_attention is DecodeAttention.AUTO
+    with pytest.raises(SystemExit):
+        config("--decode-attention", "flash")
+    assert "invalid choice: 'flash'" in capsys.readouterr().err
+    monkeypatch.setenv("KVPUSH_DECODE_ATTENTION", "flash")
+    with pytest.raises(SystemExit, match="decode attention 'flash': expected one of auto, kernel, sdpa"):
+        config()
+    assert build_engine_config("m", decode_attention="sdpa").decode_attention is DecodeAttention.SDPA
+    with pytest.raises(ValueError, match="decode attention 'flash': expected one of auto, kernel, sdpa"):
+        build_engine_config("m", decode_attention="flash")
