@@ -8,7 +8,8 @@ per run into ``--result-dir``::
      "environment": {"kvpush_version", "git_commit", "cpu_count", "python", "platform", "torch", "nixl"},
      "run": {"started_at", "started_at_unix", "duration_s", "warmups", "warmup_failed", "sample_seed"},
      "metrics": {...BenchmarkMetrics...},
-     "requests": [...RequestRecord...]}
+     "requests": [...RequestRecord...],
+     "emulation": null, or the profile(s) of emulated instances and whether the run is valid (emulation.py)}
 
 Prompts of the k-th rate of a sweep are drawn with seed ``--seed + k``, and warm-up prompts are
 drawn beyond the measured ones, so a server's prefix cache is not warmed by earlier runs or
@@ -44,6 +45,8 @@ from kvpush.bench.datasets import (
     session_samples,
     sharegpt_samples,
 )
+from kvpush.bench.emulation import describe as describe_emulation
+from kvpush.bench.emulation import emulation_report
 from kvpush.bench.loadgen import BenchmarkAborted, LoadConfig, RunResult, fetch_model, run_load_sync
 from kvpush.bench.metrics import BenchmarkMetrics, compute_metrics, parse_slo
 from kvpush.bench.report import fmt_rate, format_table, load_run
@@ -326,8 +329,9 @@ def _one_run(args: argparse.Namespace, k: int, rate: float, model: str) -> tuple
     result = run_load_sync(measured, cfg, warm or None)
     metrics = compute_metrics(result.records, result.duration_s, rate, args.slo)
     doc = run_document(args, rate, model, seed, result, metrics)
+    doc["emulation"] = emulation_report(args.base_url)  # None: real instances (bench/emulation.py)
     path = write_run(doc, args.result_dir, args.mode_label, rate)
-    print(f"{summary_line(args.mode_label, rate, metrics)} -> {path}", flush=True)
+    print(f"{summary_line(args.mode_label, rate, metrics)}{describe_emulation(doc['emulation'])} -> {path}", flush=True)
     if getattr(args, "trace", False):
         cp = metrics.critical_path
         print(format_critical_path(cp, f"{args.mode_label} @ {fmt_rate(rate)} req/s") if cp is not None

@@ -103,6 +103,7 @@ def _markdown(results: Sequence[Run], png_names: Sequence[str]) -> str:
         "",
         f"{len(results)} runs. Repeats of a mode at one rate are combined by the median of each metric.",
         f"Machine: {machines(results)}.",
+        *emulated(results),
         "Ratios are push/pull: below 1 push is better for latencies, above 1 for throughputs.",
         "",
         format_table(results),
@@ -122,6 +123,20 @@ def machines(results: Sequence[Run]) -> str:
     names = sorted({cpu_label(m) if (m := (r.get("environment") or {}).get("machine")) else "not recorded"
                     for r in results})
     return "; ".join(names)
+
+
+def emulated(results: Sequence[Run]) -> list[str]:
+    """A line naming the emulated runs' profiles and validity (bench/emulation.py); none if every run was real.
+    Emulated figures are the emulation's, in emulated time: never a measurement of the hardware profiled."""
+    reports = [r.get("emulation") for r in results]
+    if not any(reports):
+        return []
+    profiles = sorted({p for e in reports if e for p in e["profiles"]})
+    invalid = sum(1 for e in reports if e and not e["valid"])
+    real = sum(1 for e in reports if not e)
+    return [f"**Emulated** ({', '.join(profiles)}; emulated time, not a measurement of that hardware): "
+            f"{len(results) - real} of {len(results)} runs, {invalid} of them invalid (an instance's step lateness "
+            "p99 over 5% of its median step)."]
 
 
 def compare(run_files: Sequence[str | Path], out_dir: str | Path) -> tuple[Path, list[Path]]:

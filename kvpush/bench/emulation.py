@@ -1,0 +1,89 @@
+"""Whether a bench run was served by emulated instances, and whether it is valid (issue 37, docs/emulation.md).
+
+After each run `kvpush bench` reads /metrics of every instance behind its target: the target itself, and
+where the target is a kvpush proxy, the instances it lists (`kvpush_proxy_instance_served{role,url}`).
+An emulated instance exports `kvpush_emulated{profile,time_scale} 1` and, over its last 4,096 steps
+(emulate/lateness.py), the lateness p50/p99 of its steps and their median modelled duration. A run is
+**valid** when on every emulated instance the lateness p99 is at most VALID_FRACTION of the median step:
+the host kept the emulated clock. The report goes into the run's JSON (`emulation`, None for a real run)
+and its summary line; `kvpush bench compare` names the profile and the verdict in its tables.
+An instance that does not answer its /metrics is listed as unreachable: the run is then not valid either.
+"""
+
+from __future__ import annotations
+
+import urllib.error
+import urllib.request
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+VALID_FRACTION = 0.05  # lateness p99 over the median modelled step
+GAUGES = {"kvpush_emulated_step_lateness_p50_seconds": "lateness_p50_s",
+          "kvpush_emulated_step_lateness_p99_seconds": "lateness_p99_s",
+          "kvpush_emulated_step_p50_seconds": "step_p50_s"}
+
+
+def _metrics(url: str, timeout_s: float) -> list[Any] | None:
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=timeout_s) as r:
+            return list(text_string_to_metric_families(r.read().decode()))
+    except (OSError, ValueError, urllib.error.URLError):
+        return None
+
+
+def instance_urls(families: list[Any]) -> list[str]:
+    """The instances a kvpush proxy's /metrics lists (none for an instance's)."""
+    return sorted({s.labels["url"] for f in families if f.name == "kvpush_proxy_instance_served"
+                   for s in f.samples if "url" in s.labels})
+
+
+def instance_report(url: str, families: list[Any] | None) -> dict[str, Any] | None:
+    """One instance's emulation facts; None for a real instance; {"url", "unreachable": True} when its
+    /metrics did not answer."""
+    if families is None:
+        return {"url": url, "unreachable": True, "valid": False}
+    out: dict[str, Any] = {"url": url}
+    for f in families:
+        for s in f.samples:
+            if s.name == "kvpush_emulated" and s.value == 1:
+                out.update(profile=s.labels.get("profile"), time_scale=float(s.labels.get("time_scale", "nan")))
+            elif s.name in GAUGES:
+                out[GAUGES[s.name]] = s.value
+    if "profile" not in out:
+        return None
+    p99, step = out.get("lateness_p99_s"), out.get("step_p50_s")
+    out["valid"] = p99 is not None and step is not None and step > 0 and p99 <= VALID_FRACTION * step
+    return out
+
+
+def emulation_report(target: str, timeout_s: float = 10.0) -> dict[str, Any] | None:
+    """The run's emulation report (module docstring); None where no instance behind `target` is emulated."""
+    families = _metrics(target, timeout_s)
+    urls = instance_urls(families or [])
+    reports = [instance_report(target, families)] if not urls else \
+        [instance_report(u, _metrics(u, timeout_s)) for u in urls]
+    emulated = [r for r in reports if r is not None and not r.get("unreachable")]
+    if not emulated:
+        return None
+    unreachable = [r["url"] for r in reports if r is not None and r.get("unreachable")]
+    profiles = sorted({str(r["profile"]) for r in emulated})
+    return {"profiles": profiles, "time_scales": sorted({r["time_scale"] for r in emulated}),
+            "rule": f"every instance's lateness p99 <= {VALID_FRACTION:.0%} of its median modelled step",
+            "valid": not unreachable and all(r["valid"] for r in emulated),
+            "instances": emulated, "unreachable": unreachable}
+
+
+def describe(report: dict[str, Any] | None) -> str:
+    """A summary line's tail: '' for a real run, else the profile(s) and the verdict."""
+    if report is None:
+        return ""
+    worst = max(report["instances"], key=lambda r: (r.get("lateness_p99_s") or 0) / max(r.get("step_p50_s") or 1e-12,
+                                                                                          1e-12))
+    verdict = "valid" if report["valid"] else "INVALID"
+    detail = (f"worst lateness p99 {1e3 * (worst.get('lateness_p99_s') or 0):.2f} ms against a median step of "
+              f"{1e3 * (worst.get('step_p50_s') or 0):.2f} ms")
+    if report["unreachable"]:
+        detail += f"; no /metrics from {', '.join(report['unreachable'])}"
+    scales = ", ".join(f"x{s:g}" for s in report["time_scales"])
+    return f" EMULATED {', '.join(report['profiles'])} {scales} ({verdict}: {detail})"
