@@ -208,7 +208,8 @@ def test_run_bench_writes_one_json_per_rate(server, tmp_path: Path, capsys):
     for f in files:
         assert "s3cret" not in f.read_text()
         doc = json.loads(f.read_text())
-        assert set(doc) == {"config", "environment", "run", "metrics", "requests"}
+        assert set(doc) == {"config", "environment", "run", "metrics", "requests", "emulation"}
+        assert doc["emulation"] is None  # a real server (bench/emulation.py)
         cfg = doc["config"]
         assert cfg["mode"] == "push" and cfg["model"] == "fake-model" and cfg["api_key"] == "***"
         assert cfg["request_rate"] in ("inf", 200.0) and cfg["request_rates"] == ["inf", 200.0]

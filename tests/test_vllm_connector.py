@@ -106,8 +106,8 @@ def test_greedy_parity_through_kvpush_proxy(vllm_pd, mode, path, streamed):
     got = answer(proxy.url, path, body, streamed)
     assert got == complete(p.url, path, body)  # vLLM alone on P
     wait_for(lambda: transfers(d.url, "decode") > before, 10, "D's transfer counter")
-    # streamed and greedy: P's token went first, or D's came first, or P's was no plain text (an empty
-    # piece of a character); never another token than D's. Not streamed: none of it.
+    # streamed and greedy: P's token went first, or D's came first, or P's answer was none to send (say
+    # it stopped); never another token than D's. Not streamed: none of it.
     after = {o: first_from_prefill(proxy.url, o) - counts[o] for o in counts}
     assert after["mismatch"] == 0 and sum(after.values()) == (1 if streamed else 0), after
 
@@ -115,8 +115,8 @@ def test_greedy_parity_through_kvpush_proxy(vllm_pd, mode, path, streamed):
 def test_first_token_from_prefill_goes_first(vllm_pd):
     """P's answer usually comes a decode step of D's before D's first token, and the proxy sends it. Not
     always: P's API server shares its core with P's engine core, which keeps it busy for a while after
-    each request (seen: 3 streams in 72 got D's first), and a first token can be an empty piece of a
-    character. So up to 6 streams per front door and API, of which one must have gone so."""
+    each request (seen: 3 streams in 72 got D's first). So up to 6 streams per front door and API, of
+    which one must have gone so."""
     p, _, push, pull = vllm_pd
     for proxy in (push, pull):
         for path in ("/v1/completions", "/v1/chat/completions"):
