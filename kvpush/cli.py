@@ -9,7 +9,7 @@ import argparse
 import sys
 
 from kvpush.argtypes import positive_float, positive_int
-from kvpush.config import FirstToken, KVMode, ProxyConfig
+from kvpush.config import EmulationConfig, FirstToken, KVMode, ProxyConfig
 from kvpush.errors import KVPushError
 from kvpush.flags import (
     AUTO_FLAGS,
@@ -70,12 +70,40 @@ def cmd_up(args: argparse.Namespace, serve_args: list[str]) -> int:
         proxy_args += ([flag] if value else []) if isinstance(value, bool) else [flag, repr(value)]
     if args.pin and "--cpus" in serve_args:
         raise SystemExit("kvpush up: --pin chooses each instance's --cpus; give one or the other")
+    link_gbps, delay_ms = args.link_gbps, 0.0
+    emulated = emulated_link(serve_args) if args.emulated_link == "profile" else None
+    if emulated is not None:
+        link_gbps, delay_ms, what = (link_gbps or emulated[0]), emulated[1], emulated[2]
+        print(f"kvpush up: emulated link ({what}): {link_gbps:g} Gbit/s each way, {delay_ms:g} ms one way; "
+              f"--emulated-link off for none", flush=True)
     try:
         return run_up(args.model, args.prefill, args.decode, args.kv_mode, args.port, serve_args, proxy_args,
-                      link_gbps=args.link_gbps, router=args.router, pin=args.pin)
+                      link_gbps=link_gbps, router=args.router, pin=args.pin, link_delay_ms=delay_ms,
+                      check_link=emulated is not None)
     except KVPushError as e:  # e.g. --link-gbps without root or iproute2
-        print(f"kvpush up: error: {e}", file=sys.stderr)
+        hint = " (or --emulated-link off: transfers at this host's own speed)" if emulated is not None else ""
+        print(f"kvpush up: error: {e}{hint}", file=sys.stderr)
         return 2
+
+
+def emulated_link(serve_args: list[str]) -> tuple[float, float, str] | None:
+    """With --emulate among `serve_args`: the link P and D are joined by in emulated time (docs/emulation.md):
+    (the profile's per-rank bandwidth divided by --time-scale, Gbit/s each way; its one-way latency times
+    --time-scale, ms; what it is); None without --emulate. A bad profile stops `up` here."""
+    from kvpush.emulate.profile import ProfileError, load_profile
+
+    pick = argparse.ArgumentParser(add_help=False)
+    pick.add_argument("--emulate")
+    pick.add_argument("--time-scale", type=float, default=EmulationConfig().time_scale)
+    known, _ = pick.parse_known_args(serve_args)
+    if known.emulate is None:
+        return None
+    try:
+        link, s = load_profile(known.emulate).link, known.time_scale
+    except ProfileError as e:
+        raise SystemExit(f"kvpush up: --emulate: {e}") from None
+    return (link.bandwidth_gbps / s, link.latency_s * s * 1e3,
+            f"{known.emulate}'s {link.bandwidth_gbps:g} Gbit/s and {link.latency_s * 1e6:g} us, time scale {s:g}")
 
 
 def cmd_make_model(args: argparse.Namespace) -> int:

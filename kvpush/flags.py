@@ -349,7 +349,9 @@ def add_auto_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def up_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvpush up", formatter_class=HelpFormatter,
+    # no abbreviations: every flag up does not know goes to `kvpush serve`, and `--emulate` (serve's) would
+    # otherwise be taken for up's `--emulated-link`
+    p = argparse.ArgumentParser(prog="kvpush up", formatter_class=HelpFormatter, allow_abbrev=False,
                                 description="start a local xPyD deployment plus proxy; other flags are passed to "
                                             "every `kvpush serve`")
     p.add_argument("model", help="checkpoint directory (Hugging Face format)")
@@ -363,6 +365,11 @@ def up_parser() -> argparse.ArgumentParser:
     g.add_argument("--link-gbps", type=float, default=None, metavar="G",
                    help="root only: run P and D in two network namespaces joined by a link of G Gbit/s each way "
                         "(default: no link, one namespace)")
+    g.add_argument("--emulated-link", default="profile", choices=["profile", "off"],
+                   help="with --emulate: join P and D by the profile's link in emulated time (its per-rank "
+                        "bandwidth divided by --time-scale each way, or --link-gbps; its latency times --time-scale "
+                        "one way; root: network namespaces and tc), or off (KV moves at this host's own speed) "
+                        "(default: profile)")
     g.add_argument("--pin", action="store_true",
                    help="prefill instances on one half of the cores, decode instances on the other "
                         "(proxy unpinned; default: unpinned)")

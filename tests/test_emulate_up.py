@@ -1,12 +1,15 @@
-"""`kvpush up --emulate` with 4 prefill and 4 decode instances (issue 37): the deployment starts, every
+"""`kvpush up --emulate` (issue 37). With 4 prefill and 4 decode instances the deployment starts, every
 instance serves through the proxy over real NIXL in the emulated model's KV geometry, identical prompts get
 identical answers whichever P and D served them (the emulated tokens are a function of the KV read back),
-and a SIGTERM stops every process. A tiny time scale keeps the modelled steps short; nothing asserts a
-duration."""
+and a SIGTERM stops every process. With the profile's link (root), P and D sit in two network namespaces
+joined by the profile's per-rank bandwidth divided by the time scale, which `up` measures and reports.
+The link's arithmetic and the flags are unit-tested. Nothing asserts a duration."""
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -44,7 +47,7 @@ def test_4p4d_emulated_starts_serves_and_stops(tiny_model):
     port = free_port()
     up = subprocess.Popen([sys.executable, "-m", "kvpush.cli", "up", tiny_model, "--prefill", str(N), "--decode", str(N),
                            "--kv-mode", "push", "--port", str(port), "--emulate", PROFILE, "--time-scale", "0.01",
-                           "--num-blocks", "128", "--block-size", "16"],
+                           "--num-blocks", "128", "--block-size", "16", "--emulated-link", "off"],
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     children: set[int] = set()
     try:
@@ -66,6 +69,62 @@ def test_4p4d_emulated_starts_serves_and_stops(tiny_model):
             assert out["choices"][0]["text"] == answers[k % 4]["choices"][0]["text"]
         served = served_per_instance(f"http://127.0.0.1:{port}")
         assert len(served) == 2 * N and all(n >= 1 for n in served.values()), served  # every P and every D
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(90) == 0
+        assert gone(children, 30) == set()
+    finally:
+        kill_all(up, children)
+
+
+def test_the_emulated_link_is_the_profiles_in_emulated_time():
+    from kvpush.cli import emulated_link
+    from kvpush.emulate.profile import load_profile
+
+    link = load_profile(PROFILE).link  # 400 Gbit/s per rank, 20 us one way
+    gbps, delay_ms, what = emulated_link(["--emulate", PROFILE, "--time-scale", "40", "--num-blocks", "9"]) or (0, 0, "")
+    assert (gbps, delay_ms) == pytest.approx((link.bandwidth_gbps / 40, link.latency_s * 40e3))
+    assert PROFILE in what and "time scale 40" in what
+    assert emulated_link(["--emulate", PROFILE])[:2] == pytest.approx((link.bandwidth_gbps, link.latency_s * 1e3))
+    assert emulated_link(["--num-blocks", "9"]) is None
+    with pytest.raises(SystemExit, match="kvpush up: --emulate: unknown profile 'h900'"):
+        emulated_link(["--emulate", "h900"])
+
+
+def test_up_takes_no_abbreviation_so_emulate_reaches_serve():
+    from kvpush.flags import up_parser
+
+    args, serve_args = up_parser().parse_known_args(["m", "--emulate", PROFILE, "--emulated-link", "off"])
+    assert args.emulated_link == "off" and serve_args == ["--emulate", PROFILE]
+    assert up_parser().parse_known_args(["m"])[0].emulated_link == "profile"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces and tc need root (CI runs as root)")
+@pytest.mark.skipif(shutil.which("ip") is None or shutil.which("tc") is None, reason="iproute2 (ip, tc) is not installed")
+def test_1p1d_emulated_over_the_profiles_link(tiny_model):
+    port = free_port()
+    up = subprocess.Popen([sys.executable, "-m", "kvpush.cli", "up", tiny_model, "--kv-mode", "push", "--port", str(port),
+                           "--emulate", PROFILE, "--time-scale", "40", "--num-blocks", "128", "--block-size", "16"],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    children: set[int] = set()
+    try:
+        lines = []
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            line = up.stdout.readline()  # type: ignore[union-attr]
+            lines.append(line)
+            if "ready:" in line or not line:
+                break
+        text = "".join(lines)
+        assert "ready:" in text, text
+        assert "emulated link (qwen3-32b-h200-tp8's 400 Gbit/s and 20 us, time scale 40): 10 Gbit/s each way" in text
+        assert "link measured at" in text and "P in kvp-p-" in text  # P and D in two namespaces
+        url = text.split("ready: ", 1)[1].split()[0]  # the proxy, inside D's namespace
+        children = descendants(up.pid)
+        body = json.dumps({"prompt": list(range(3, 70)), "max_tokens": 4, "temperature": 0, "ignore_eos": True})
+        req = urllib.request.Request(url + "/v1/completions", data=body.encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            assert json.loads(r.read())["usage"]["completion_tokens"] == 4
         up.send_signal(signal.SIGTERM)
         assert up.wait(90) == 0
         assert gone(children, 30) == set()

@@ -41,6 +41,10 @@ class LinkError(KVPushError):
     """A rate-limited link cannot be created or used: not root, no iproute2, a failed `ip`/`tc` step."""
 
 
+class NoNetemError(LinkError):
+    """The kernel has no netem qdisc: a link can be shaped, but not delayed."""
+
+
 @dataclass(frozen=True)
 class LinkConfig:
     gbps: float  # per direction; math.inf: no shaping (a plain veth)
@@ -218,7 +222,7 @@ class RateLimitedLink:
                 _run([*tc, "root", "handle", "1:", "netem", "delay", f"{cfg.delay_ms:g}ms", "limit", "100000"])
             except LinkError as e:
                 if "unknown" in str(e):
-                    raise LinkError(f"{e} (this kernel has no netem qdisc: use delay_ms=0)") from e
+                    raise NoNetemError(f"{e} (this kernel has no netem qdisc: use delay_ms=0)") from e
                 raise
             parent = ["parent", "1:1", "handle", "10:"]
         if math.isinf(cfg.gbps):

@@ -134,13 +134,32 @@ def vllm_router_argv(port: int, urls: dict[str, list[str]], proxy_args: list[str
 
 def run_up(model: str, num_prefill: int, num_decode: int, kv_mode: str, port: int, serve_args: list[str],
            proxy_args: list[str], link_gbps: float | None = None, router: str = "kvpush",
-           pin: bool = False) -> int:
+           pin: bool = False, link_delay_ms: float = 0.0, check_link: bool = False) -> int:
+    """`check_link`: measure the link's TCP rate once it is up and say whether the host carries what was
+    asked (an emulated link: cli.py's emulated_link)."""
     link = None
     if link_gbps is not None:  # P and D on two "hosts" joined by a link of link_gbps each way
-        from kvpush.launcher.netlink import LinkConfig, RateLimitedLink, require_root
+        from kvpush.launcher.netlink import (
+            LinkConfig,
+            NoNetemError,
+            RateLimitedLink,
+            measure_tcp_gbps,
+            require_root,
+        )
 
         require_root()
-        link = RateLimitedLink(LinkConfig(gbps=link_gbps)).start()
+        try:
+            link = RateLimitedLink(LinkConfig(gbps=link_gbps, delay_ms=link_delay_ms)).start()
+        except NoNetemError:  # the bandwidth still holds; the latency cannot be added here
+            print(f"kvpush up: this kernel has no netem qdisc: the link's {link_delay_ms:g} ms one way are left out",
+                  file=sys.stderr, flush=True)
+            link = RateLimitedLink(LinkConfig(gbps=link_gbps)).start()
+        if check_link:
+            measured = measure_tcp_gbps(link)
+            short = measured < 0.9 * link_gbps
+            print(f"kvpush up: link measured at {measured:.2f} Gbit/s (one TCP stream) against {link_gbps:g} asked"
+                  + (": this host carries less than the emulated link, so transfers take longer than modelled; "
+                     "raise --time-scale" if short else ""), file=sys.stderr if short else sys.stdout, flush=True)
     try:
         return _run_up(model, num_prefill, num_decode, kv_mode, port, serve_args, proxy_args, link, router, pin)
     finally:
