@@ -11,7 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from kvpush.bench.compare import emulated
-from kvpush.bench.emulation import describe, emulation_report
+from kvpush.bench.emulation import add_emulated_time, describe, emulation_report
 from kvpush.launcher.launch import free_port
 
 REAL = "kvpush_requests_total 3\n"
@@ -73,6 +73,11 @@ def test_an_emulated_instance_is_valid_while_its_lateness_stays_within_5_percent
     assert report is not None and report["valid"] and report["profiles"] == ["qwen3-8b-h100"]
     assert report["time_scales"] == [0.5] and report["instances"][0]["lateness_p99_s"] == 0.0004
     assert describe(report).startswith(" EMULATED qwen3-8b-h100 x0.5 (valid: worst lateness p99 0.40 ms")
+    add_emulated_time(report, {"median_ttft_ms": 100.0, "p99_ttft_ms": 200.0, "median_tpot_ms": 20.0,
+                               "median_itl_ms": None})
+    assert report["emulated_time_ms"] == {"median_ttft_ms": 200.0, "p99_ttft_ms": 400.0, "median_tpot_ms": 40.0}
+    assert describe(report).endswith("; emulated time: TTFT p50 200.0 p99 400.0 ms, TPOT p50 40.00 ms")
+    add_emulated_time(None, {"median_ttft_ms": 1.0})  # a real run: nothing to add
     served[url] = emulated_page(p99_s=0.0006, step_s=0.010)  # 6% of the step
     report = emulation_report(url)
     assert report is not None and not report["valid"] and "(INVALID:" in describe(report)

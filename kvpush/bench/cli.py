@@ -45,8 +45,8 @@ from kvpush.bench.datasets import (
     session_samples,
     sharegpt_samples,
 )
+from kvpush.bench.emulation import add_emulated_time, emulation_report
 from kvpush.bench.emulation import describe as describe_emulation
-from kvpush.bench.emulation import emulation_report
 from kvpush.bench.loadgen import BenchmarkAborted, LoadConfig, RunResult, fetch_model, run_load_sync
 from kvpush.bench.metrics import BenchmarkMetrics, compute_metrics, parse_slo
 from kvpush.bench.report import fmt_rate, format_table, load_run
@@ -330,6 +330,7 @@ def _one_run(args: argparse.Namespace, k: int, rate: float, model: str) -> tuple
     metrics = compute_metrics(result.records, result.duration_s, rate, args.slo)
     doc = run_document(args, rate, model, seed, result, metrics)
     doc["emulation"] = emulation_report(args.base_url)  # None: real instances (bench/emulation.py)
+    add_emulated_time(doc["emulation"], doc["metrics"])
     path = write_run(doc, args.result_dir, args.mode_label, rate)
     print(f"{summary_line(args.mode_label, rate, metrics)}{describe_emulation(doc['emulation'])} -> {path}", flush=True)
     if getattr(args, "trace", False):

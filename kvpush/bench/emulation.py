@@ -5,7 +5,8 @@ where the target is a kvpush proxy, the instances it lists (`kvpush_proxy_instan
 An emulated instance exports `kvpush_emulated{profile,time_scale} 1` and, over its last 4,096 steps
 (emulate/lateness.py), the lateness p50/p99 of its steps and their median modelled duration. A run is
 **valid** when on every emulated instance the lateness p99 is at most VALID_FRACTION of the median step:
-the host kept the emulated clock. The report goes into the run's JSON (`emulation`, None for a real run)
+the host kept the emulated clock. With one time scale S the report also gives the run's latencies in
+emulated time (wall-clock / S). The report goes into the run's JSON (`emulation`, None for a real run)
 and its summary line; `kvpush bench compare` names the profile and the verdict in its tables.
 An instance that does not answer its /metrics is listed as unreachable: the run is then not valid either.
 """
@@ -74,6 +75,19 @@ def emulation_report(target: str, timeout_s: float = 10.0) -> dict[str, Any] | N
             "instances": emulated, "unreachable": unreachable}
 
 
+EMULATED_TIME = ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "median_itl_ms", "median_e2el_ms")
+
+
+def add_emulated_time(report: dict[str, Any] | None, metrics: dict[str, Any]) -> None:
+    """With one time scale S: the run's latencies in emulated time (wall-clock / S) into the report. The
+    host's own costs (HTTP, Python, the pipes between processes) are real time: divided by S here, they
+    count S times less than they would on the emulated hardware (docs/emulation.md)."""
+    if report is None or len(report["time_scales"]) != 1:
+        return
+    s = report["time_scales"][0]
+    report["emulated_time_ms"] = {k: metrics[k] / s for k in EMULATED_TIME if metrics.get(k) is not None}
+
+
 def describe(report: dict[str, Any] | None) -> str:
     """A summary line's tail: '' for a real run, else the profile(s) and the verdict."""
     if report is None:
@@ -86,4 +100,8 @@ def describe(report: dict[str, Any] | None) -> str:
     if report["unreachable"]:
         detail += f"; no /metrics from {', '.join(report['unreachable'])}"
     scales = ", ".join(f"x{s:g}" for s in report["time_scales"])
-    return f" EMULATED {', '.join(report['profiles'])} {scales} ({verdict}: {detail})"
+    times = report.get("emulated_time_ms") or {}
+    emulated = "" if "median_ttft_ms" not in times else (
+        f"; emulated time: TTFT p50 {times['median_ttft_ms']:.1f} p99 {times.get('p99_ttft_ms', 0):.1f} ms, "
+        f"TPOT p50 {times.get('median_tpot_ms', 0):.2f} ms")
+    return f" EMULATED {', '.join(report['profiles'])} {scales} ({verdict}: {detail}){emulated}"
