@@ -6,6 +6,7 @@ Defaults come from the config dataclasses; this module only maps flags onto them
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from kvpush.argtypes import positive_float, positive_int
@@ -71,9 +72,13 @@ def cmd_up(args: argparse.Namespace, serve_args: list[str]) -> int:
     if args.pin and "--cpus" in serve_args:
         raise SystemExit("kvpush up: --pin chooses each instance's --cpus; give one or the other")
     link_gbps, delay_ms = args.link_gbps, 0.0
-    emulated = emulated_link(serve_args) if args.emulated_link == "profile" else None
+    emulated = emulated_link(serve_args, min(args.prefill, args.decode)) if args.emulated_link == "profile" else None
     if emulated is not None:
-        link_gbps, delay_ms, what = (link_gbps or emulated[0]), emulated[1], emulated[2]
+        if os.geteuid() != 0:
+            raise SystemExit("kvpush up: --emulate joins P and D by the profile's link, which needs root (network "
+                             "namespaces and tc): run as root, or add --emulated-link off (KV at this host's speed)")
+        what = emulated[2] if link_gbps is None else f"--link-gbps {link_gbps:g}; the profile's latency"
+        link_gbps, delay_ms = (link_gbps or emulated[0]), emulated[1]
         print(f"kvpush up: emulated link ({what}): {link_gbps:g} Gbit/s each way, {delay_ms:g} ms one way; "
               f"--emulated-link off for none", flush=True)
     try:
@@ -86,15 +91,16 @@ def cmd_up(args: argparse.Namespace, serve_args: list[str]) -> int:
         return 2
 
 
-def emulated_link(serve_args: list[str]) -> tuple[float, float, str] | None:
+def emulated_link(serve_args: list[str], pairs: int = 1) -> tuple[float, float, str] | None:
     """With --emulate among `serve_args`: the link P and D are joined by in emulated time (docs/emulation.md):
-    (the profile's per-rank bandwidth divided by --time-scale, Gbit/s each way; its one-way latency times
-    --time-scale, ms; what it is); None without --emulate. A bad profile stops `up` here."""
+    (the profile's per-rank bandwidth times `pairs` (min(P, D): one shaped link carries every pair's
+    transfers, as many ranks' NICs would) divided by --time-scale, Gbit/s each way; its one-way latency
+    times --time-scale, ms; what it is); None without --emulate. A bad profile or time scale stops `up` here."""
     from kvpush.emulate.profile import ProfileError, load_profile
 
-    pick = argparse.ArgumentParser(add_help=False)
+    pick = argparse.ArgumentParser(prog="kvpush up", add_help=False, allow_abbrev=False)
     pick.add_argument("--emulate")
-    pick.add_argument("--time-scale", type=float, default=EmulationConfig().time_scale)
+    pick.add_argument("--time-scale", type=positive_float, default=EmulationConfig().time_scale)
     known, _ = pick.parse_known_args(serve_args)
     if known.emulate is None:
         return None
@@ -102,8 +108,10 @@ def emulated_link(serve_args: list[str]) -> tuple[float, float, str] | None:
         link, s = load_profile(known.emulate).link, known.time_scale
     except ProfileError as e:
         raise SystemExit(f"kvpush up: --emulate: {e}") from None
-    return (link.bandwidth_gbps / s, link.latency_s * s * 1e3,
-            f"{known.emulate}'s {link.bandwidth_gbps:g} Gbit/s and {link.latency_s * 1e6:g} us, time scale {s:g}")
+    ranks = f" x {pairs} pairs" if pairs > 1 else ""
+    return (link.bandwidth_gbps * pairs / s, link.latency_s * s * 1e3,
+            f"{known.emulate}'s {link.bandwidth_gbps:g} Gbit/s{ranks} and {link.latency_s * 1e6:g} us, "
+            f"time scale {s:g}")
 
 
 def cmd_make_model(args: argparse.Namespace) -> int:

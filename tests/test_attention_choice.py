@@ -109,6 +109,9 @@ def test_calibration_is_cached_and_keyed(tmp_path):
         assert choose(tmp_path, slow, **change).path is DecodeAttention.KERNEL and slow.calls == 1
     Path(first.file or "").write_text("{not json")  # a broken file is measured again
     assert choose(tmp_path, FakeMeasure(0.5, 1.0)).source == "measured"
+    entry = json.loads(Path(first.file or "").read_text())
+    Path(first.file or "").write_text(json.dumps({**entry, "timings": {}}))  # one this module would not write
+    assert choose(tmp_path, FakeMeasure(0.5, 1.0)).source == "measured"
     assert len(list(tmp_path.glob("decode-attention-*.json"))) == 4
 
 
@@ -126,6 +129,16 @@ def test_forced_paths_dtypes_and_devices(tmp_path):
                                              "bfloat16"):
         choose(tmp_path, never, DecodeAttention.KERNEL, dtype=torch.bfloat16)
     assert never.calls == 0 and not list(tmp_path.iterdir())
+
+
+def test_a_failed_calibration_keeps_the_kernel(tmp_path):
+    def broken(*args) -> ac.Timings:
+        raise RuntimeError("no SDPA for this shape\nmore")
+
+    choice = choose(tmp_path, broken)
+    assert choice.path is DecodeAttention.KERNEL and choice.kernel is not None
+    assert choice.line() == "decode attention: kernel (kernel; calibration failed: no SDPA for this shape)"
+    assert not list(tmp_path.glob("*.json"))  # nothing cached: the next start measures again
 
 
 def test_real_calibration_on_tiny_shapes(tmp_path):

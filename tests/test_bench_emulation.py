@@ -95,6 +95,8 @@ def test_behind_a_proxy_every_listed_instance_counts(pages):
     report = emulation_report(proxy)  # `gone` answers no /metrics
     assert report is not None and not report["valid"] and report["unreachable"] == [gone]
     assert f"no /metrics from {gone}" in describe(report)
+    served.update({proxy: proxy_page([p, d]), d: emulated_page(0.0, 0.0)})  # D served nothing: not late
+    assert (emulation_report(proxy) or {})["valid"]
     served.update({p: REAL, d: REAL})
     assert emulation_report(proxy) is None  # real instances (one unreachable): not an emulated run
 

@@ -88,6 +88,21 @@ def test_the_emulated_link_is_the_profiles_in_emulated_time():
     assert emulated_link(["--num-blocks", "9"]) is None
     with pytest.raises(SystemExit, match="kvpush up: --emulate: unknown profile 'h900'"):
         emulated_link(["--emulate", "h900"])
+    # four pairs share the one shaped link: the aggregate of four ranks' NICs
+    gbps, _, what = emulated_link(["--emulate", PROFILE, "--time-scale", "40"], pairs=4) or (0, 0, "")
+    assert gbps == pytest.approx(4 * link.bandwidth_gbps / 40) and "x 4 pairs" in what
+    with pytest.raises(SystemExit):
+        emulated_link(["--emulate", PROFILE, "--time-scale", "0"])
+
+
+def test_without_root_up_emulate_says_how_to_go_on(monkeypatch, tiny_model):
+    from kvpush.cli import cmd_up
+    from kvpush.flags import up_parser
+
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    args, serve_args = up_parser().parse_known_args([tiny_model, "--emulate", PROFILE])
+    with pytest.raises(SystemExit, match="needs root .* or add --emulated-link off"):
+        cmd_up(args, serve_args)
 
 
 def test_up_takes_no_abbreviation_so_emulate_reaches_serve():

@@ -7,6 +7,7 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
+from kvpush.bench.emulation import VALID_FRACTION
 from kvpush.bench.machine import cpu_label
 from kvpush.bench.report import (
     Run,
@@ -136,7 +137,7 @@ def emulated(results: Sequence[Run]) -> list[str]:
     real = sum(1 for e in reports if not e)
     return [f"**Emulated** ({', '.join(profiles)}; emulated time, not a measurement of that hardware): "
             f"{len(results) - real} of {len(results)} runs, {invalid} of them invalid (an instance's step lateness "
-            "p99 over 5% of its median step)."]
+            f"p99 over {VALID_FRACTION:.0%} of its median step)."]
 
 
 def compare(run_files: Sequence[str | Path], out_dir: str | Path) -> tuple[Path, list[Path]]:

@@ -8,11 +8,14 @@ An emulated instance exports `kvpush_emulated{profile,time_scale} 1` and, over i
 the host kept the emulated clock. With one time scale S the report also gives the run's latencies in
 emulated time (wall-clock / S). The report goes into the run's JSON (`emulation`, None for a real run)
 and its summary line; `kvpush bench compare` names the profile and the verdict in its tables.
-An instance that does not answer its /metrics is listed as unreachable: the run is then not valid either.
+Where at least one instance says it is emulated, one that does not answer its /metrics is listed as
+unreachable and the run is not valid either (where none answers, nothing says the run was emulated: it
+has no report). An instance with no steps in its window (it served nothing) counts as valid.
 """
 
 from __future__ import annotations
 
+import http.client
 import urllib.error
 import urllib.request
 from typing import Any
@@ -29,7 +32,7 @@ def _metrics(url: str, timeout_s: float) -> list[Any] | None:
     try:
         with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=timeout_s) as r:
             return list(text_string_to_metric_families(r.read().decode()))
-    except (OSError, ValueError, urllib.error.URLError):
+    except (OSError, ValueError, urllib.error.URLError, http.client.HTTPException):
         return None
 
 
@@ -54,7 +57,8 @@ def instance_report(url: str, families: list[Any] | None) -> dict[str, Any] | No
     if "profile" not in out:
         return None
     p99, step = out.get("lateness_p99_s"), out.get("step_p50_s")
-    out["valid"] = p99 is not None and step is not None and step > 0 and p99 <= VALID_FRACTION * step
+    idle = step == 0 and p99 == 0  # no steps in the window: nothing could be late
+    out["valid"] = idle or (p99 is not None and step is not None and step > 0 and p99 <= VALID_FRACTION * step)
     return out
 
 

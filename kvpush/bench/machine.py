@@ -132,7 +132,8 @@ def decode_attention(cache_dir: str | None = None, shown: int = 3) -> str:
         return f"unknown ($KVPUSH_DECODE_ATTENTION: {error})"
     except ImportError:
         return "unknown (torch missing)"
-    kernel = "C paged_decode (-march=native)" if paged_decode_kernel() is not None else "no C kernel: gather + SDPA"
+    kernel = ("C kernel available: paged_decode (-march=native)" if paged_decode_kernel() is not None
+              else "no C kernel: gather + SDPA")
     if default is not DecodeAttention.AUTO:
         return f"{default.value} (forced by $KVPUSH_DECODE_ATTENTION); {kernel}"
     entries = cached_entries(cache_dir or linear_cache_dir(), cpu())

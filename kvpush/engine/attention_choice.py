@@ -11,8 +11,9 @@ them out: decode batches of 1 x 512, 16 x 512 and 4 x 2,048 tokens of context, a
 (engine/calibration.py). SDPA is chosen when the geometric mean of its time over the kernel's is below
 1 - MARGIN; otherwise, ties included, the kernel. The choice is cached per CPU model, torch version,
 torch threads, dtype, shapes and workloads (one JSON file per key, next to the linear backend's) and
-logged in one line. Both paths compute the same attention (tests/test_attention_choice.py runs the
-greedy parity with each forced).
+logged in one line. Both paths compute the same attention up to fp32 rounding (tests/test_attention_choice.py
+runs the greedy parity with each forced); instances on one machine read the same cached choice. A
+calibration that fails (an error from torch while timing) keeps the kernel, saying so.
 """
 
 from __future__ import annotations
@@ -107,7 +108,13 @@ def cached_entries(cache_dir: str, cpu: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _valid(entry: dict[str, Any] | None) -> bool:
-    return entry is not None and entry.get("path") in (DecodeAttention.KERNEL, DecodeAttention.SDPA)
+    """A cache entry this module wrote: a path and a (kernel ms, sdpa ms) pair per workload, all positive."""
+    if entry is None or entry.get("path") not in (DecodeAttention.KERNEL, DecodeAttention.SDPA):
+        return False
+    timings = entry.get("timings")
+    return (isinstance(timings, dict) and bool(timings) and isinstance(entry.get("ratio"), int | float)
+            and all(isinstance(t, list) and len(t) == 2 and all(isinstance(x, int | float) and x > 0 for x in t)
+                    for t in timings.values()))
 
 
 def choose(requested: DecodeAttention, shapes: Shapes, dtype: torch.dtype, device: torch.device, *,
@@ -134,7 +141,11 @@ def choose(requested: DecodeAttention, shapes: Shapes, dtype: torch.dtype, devic
         if (cached := _cached(path, key, kernel)) is not None:
             return cached
         start = time.perf_counter()
-        timings = (measure or measure_paths)(shapes, dtype, kernel)
+        try:
+            timings = (measure or measure_paths)(shapes, dtype, kernel)
+        except RuntimeError as e:  # torch could not run one of the paths here: keep the kernel
+            return AttentionChoice(DecodeAttention.KERNEL, "unavailable", kernel,
+                                   note=f"kernel; calibration failed: {str(e).strip().splitlines()[0]}")
         seconds = time.perf_counter() - start
         chosen, when = decide(timings), cal.now()
         cal.write_entry(path, {"key": key, "path": chosen.value, "timings": timings, "ratio": ratio(timings),

@@ -1,9 +1,10 @@
 """What start-up calibrations share (engine/linear_choice.py, engine/attention_choice.py).
 
-A calibration times two implementations of one op on this machine, alternating, and caches its choice
-in a JSON file per key (the CPU model, torch's version, the shapes timed, ...): `cached_choice` reads
-it back when the key matches, `measure_once` measures under a file lock, so that instances starting
-together (kvpush up) measure once and the others read the first one's file.
+A calibration times two implementations of one op on this machine, alternating (`alternate`), and caches
+its choice in a JSON file per key (the CPU model, torch's version, the shapes timed, ...; `cache_path`,
+`write_entry`, `read_json`), measuring under a file lock (`locked`), so that instances starting together
+(kvpush up) measure once and the others read the first one's file. Both calibrations keep their files in
+config.linear_cache_dir() (`linear-*.json`, `decode-attention-*.json`).
 """
 
 from __future__ import annotations

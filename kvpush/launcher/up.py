@@ -154,13 +154,14 @@ def run_up(model: str, num_prefill: int, num_decode: int, kv_mode: str, port: in
             print(f"kvpush up: this kernel has no netem qdisc: the link's {link_delay_ms:g} ms one way are left out",
                   file=sys.stderr, flush=True)
             link = RateLimitedLink(LinkConfig(gbps=link_gbps)).start()
-        if check_link:
-            measured = measure_tcp_gbps(link)
-            short = measured < 0.9 * link_gbps
-            print(f"kvpush up: link measured at {measured:.2f} Gbit/s (one TCP stream) against {link_gbps:g} asked"
-                  + (": this host carries less than the emulated link, so transfers take longer than modelled; "
-                     "raise --time-scale" if short else ""), file=sys.stderr if short else sys.stdout, flush=True)
     try:
+        if link is not None and check_link:
+            measured = measure_tcp_gbps(link)
+            short = measured < 0.9 * link.config.gbps
+            print(f"kvpush up: link measured at {measured:.2f} Gbit/s (one TCP stream) against {link.config.gbps:g} "
+                  "asked" + (": this host carries less than the emulated link, so transfers take longer than "
+                             "modelled; raise --time-scale" if short else ""),
+                  file=sys.stderr if short else sys.stdout, flush=True)
         return _run_up(model, num_prefill, num_decode, kv_mode, port, serve_args, proxy_args, link, router, pin)
     finally:
         if link is not None:

@@ -1,0 +1,152 @@
+"""Emulated against real on this machine (issue 37's validation: its first cells, colocated).
+
+    python benchmarks/emulate_vs_real.py --profile FILE [--model DIR] [--rates 0 2] [--repeats 3]
+        [--num-prompts 16] [--input-len 512] [--output-len 64] [--core 1] [--result-dir DIR]
+
+FILE is a profile of kvpush's own engine on this machine, `kvpush profile MODEL -o FILE --torch-threads 1`
+(run on the same core). Per repeat and rate, a real instance (`kvpush serve MODEL`) and an emulated one
+(`kvpush serve MODEL --emulate FILE`) take turns, the order alternating, each on core --core with one
+torch thread, and `kvpush bench` (on the other core) sends both the same prompts: rate 0 is one request
+at a time (--max-concurrency 1), any other rate Poisson arrivals. Prints per rate TTFT p50/p99 and TPOT
+p50 of each, emulated over real with a 95% bootstrap interval (clustered over the repeats, the same
+prompts paired) and a verdict against the issue's 10%, and each emulated run's validity (lateness p99
+within 5% of the median step: bench/emulation.py). Where a cell misses, the profile's clock is what is
+wrong for that workload (the real instance's other costs, HTTP and the engine's Python, run in both).
+Writes results.json into --result-dir.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from kvpush.bench.demo import ensure_model
+from kvpush.bench.machine import machine_line
+from kvpush.bench.stats import bootstrap_ci, clustered_ratio_ci, fmt_ci, p50, p99
+from kvpush.config import default_model_dir
+from kvpush.launcher.launch import ServerProcess, free_port
+
+KINDS = ("real", "emulated")
+TARGET = 0.10  # issue 37: within 10% of the real figures
+
+
+def serve(kind: str, args: argparse.Namespace, model: str, logs: Path, tag: str) -> ServerProcess:
+    port = free_port()
+    extra = ["--emulate", args.profile] if kind == "emulated" else []
+    return ServerProcess(["serve", model, "--port", str(port), "--torch-threads", "1", "--compile", "auto", *extra],
+                         log_path=str(logs / f"{tag}.log"), prefix=["taskset", "-c", str(args.core)])
+
+
+def bench(url: str, args: argparse.Namespace, rate: float, seed: int, out: Path, label: str) -> dict:
+    argv = [sys.executable, "-m", "kvpush.cli", "bench", "--base-url", url, "--num-prompts", str(args.num_prompts),
+            "--input-len", str(args.input_len), "--output-len", str(args.output_len), "--ignore-eos",
+            "--num-warmups", "2", "--seed", str(seed), "--result-dir", str(out), "--mode-label", label, "--no-progress",
+            "--request-rate", "inf" if rate == 0 else str(rate), *(["--max-concurrency", "1"] if rate == 0 else [])]
+    other = "0" if args.core != 0 else "1"
+    subprocess.run(["taskset", "-c", other, *argv], check=True, timeout=args.timeout_s)
+    [path] = sorted(out.glob(f"{label}-*.json"))
+    return json.loads(path.read_text())
+
+
+def per_request(doc: dict) -> dict[str, list[float]]:
+    """TTFT and TPOT (ms) per prompt index, successful requests only (NaN where one failed)."""
+    n = doc["config"]["num_prompts"]
+    ttft, tpot = [float("nan")] * n, [float("nan")] * n
+    for r in doc["requests"]:
+        if r["success"] and r["ttft_s"] is not None:
+            ttft[r["index"]] = 1e3 * r["ttft_s"]
+            if r["output_tokens"] > 1 and r["e2el_s"] is not None:
+                tpot[r["index"]] = 1e3 * (r["e2el_s"] - r["ttft_s"]) / (r["output_tokens"] - 1)
+    return {"ttft": ttft, "tpot": tpot}
+
+
+def run(args: argparse.Namespace, model: str, out: Path) -> dict:
+    logs = out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    results: dict = {"machine": machine_line(), "args": vars(args), "runs": []}
+    for rep in range(args.repeats):
+        for k, rate in enumerate(args.rates):
+            seed = args.seed + 100 * rep + k
+            order = KINDS if (rep + k) % 2 == 0 else KINDS[::-1]
+            for kind in order:
+                tag = f"{kind}-rate{rate:g}-rep{rep}"
+                server = serve(kind, args, model, logs, tag).start()
+                try:
+                    server.wait_healthy(args.start_timeout_s)
+                    doc = bench(server.url, args, rate, seed, out / tag, tag)
+                finally:
+                    server.stop()
+                results["runs"].append({"kind": kind, "rate": rate, "rep": rep, "values": per_request(doc),
+                                        "emulation": doc.get("emulation")})
+                print(f"{tag}: TTFT p50 {doc['metrics']['median_ttft_ms']:.1f} ms, TPOT p50 "
+                      f"{doc['metrics']['median_tpot_ms']:.2f} ms", flush=True)
+    return results
+
+
+def _paired(runs: list[dict], rate: float, metric: str, stat) -> str:
+    groups = []
+    for rep in sorted({r["rep"] for r in runs}):
+        cell = {r["kind"]: np.asarray(r["values"][metric]) for r in runs if r["rate"] == rate and r["rep"] == rep}
+        if len(cell) == 2:
+            ok = ~np.isnan(cell["emulated"]) & ~np.isnan(cell["real"])
+            groups.append((cell["emulated"][ok], cell["real"][ok]))
+    est, lo, hi = clustered_ratio_ci(groups, stat)
+    within = "within 10%" if 1 - TARGET <= lo and hi <= 1 + TARGET else (
+        "off by more than 10%" if hi < 1 - TARGET or lo > 1 + TARGET else "cannot tell")
+    return f"{fmt_ci(est, lo, hi, 2)} {within}"
+
+
+def table(results: dict) -> str:
+    lines = [results["machine"], "", "| rate | metric | real (ms) | emulated (ms) | emulated / real [95% CI] |",
+             "|---|---|---|---|---|"]
+    runs = results["runs"]
+    for rate in results["args"]["rates"]:
+        for metric, stat, name in (("ttft", p50, "TTFT p50"), ("ttft", p99, "TTFT p99"), ("tpot", p50, "TPOT p50")):
+            cells = []
+            for kind in KINDS:
+                values = np.asarray(sum((r["values"][metric] for r in runs if r["rate"] == rate and r["kind"] == kind),
+                                        []))
+                values = values[~np.isnan(values)]
+                cells.append(fmt_ci(*bootstrap_ci(values, stat), 1) if values.size else "-")
+            lines.append(f"| {'one at a time' if rate == 0 else f'{rate:g}/s'} | {name} | {cells[0]} | {cells[1]} | "
+                         f"{_paired(runs, rate, metric, stat)} |")
+    validity = [r["emulation"]["valid"] for r in runs if r["kind"] == "emulated" and r["emulation"]]
+    lines += ["", f"Emulated runs valid (lateness p99 within 5% of the median step): {sum(validity)} of {len(validity)}"]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--profile", required=True, help="a profile of kvpush's engine on this machine (kvpush profile)")
+    ap.add_argument("--model", default=None, help="checkpoint (default: the bench preset, made if missing)")
+    ap.add_argument("--rates", type=float, nargs="+", default=[0.0],
+                    help="request rates per second; 0 = one at a time (default: 0)")
+    ap.add_argument("--repeats", type=int, default=3, help="runs per kind and rate (default: 3)")
+    ap.add_argument("--num-prompts", type=int, default=16, help="requests per run (default: 16)")
+    ap.add_argument("--input-len", type=int, default=512, help="prompt tokens (default: 512)")
+    ap.add_argument("--output-len", type=int, default=64, help="output tokens (default: 64)")
+    ap.add_argument("--core", type=int, default=1, help="the instances' core; the client takes another (default: 1)")
+    ap.add_argument("--seed", type=int, default=0, help="first prompt seed (default: 0)")
+    ap.add_argument("--start-timeout-s", type=float, default=300.0, help="an instance's start-up limit (default: 300)")
+    ap.add_argument("--timeout-s", type=float, default=900.0, help="one bench run's limit (default: 900)")
+    ap.add_argument("--result-dir", default="kvpush-results/emulate_vs_real",
+                    help="(default: kvpush-results/emulate_vs_real)")
+    args = ap.parse_args()
+    if not Path(args.profile).is_file():
+        ap.error(f"no profile at {args.profile}: `kvpush profile MODEL -o FILE --torch-threads 1` makes one")
+    model = args.model or ensure_model(default_model_dir(), "bench")
+    out = Path(args.result_dir)
+    results = run(args, model, out)
+    (out / "results.json").write_text(json.dumps(results, indent=1), encoding="utf-8")
+    text = table(results)
+    (out / "table.md").write_text(text, encoding="utf-8")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
