@@ -1,13 +1,17 @@
-"""Emulated against real on this machine (issue 37's validation: its first cells, colocated).
+"""Emulated against real on this machine (issue 37's validation: colocated, 1P1D push and pull).
 
-    python benchmarks/emulate_vs_real.py --profile FILE [--model DIR] [--rates 0 2] [--repeats 3]
-        [--num-prompts 16] [--input-len 512] [--output-len 64] [--core 1] [--result-dir DIR]
+    python benchmarks/emulate_vs_real.py --profile FILE [--model DIR] [--deployments colocated push pull]
+        [--rates 0 2] [--repeats 3] [--num-prompts 16] [--input-len 512] [--output-len 64] [--core 1]
+        [--result-dir DIR]
 
 FILE is a profile of kvpush's own engine on this machine, `kvpush profile MODEL -o FILE --torch-threads 1`
-(run on the same core). Per repeat and rate, a real instance (`kvpush serve MODEL`) and an emulated one
-(`kvpush serve MODEL --emulate FILE`) take turns, the order alternating, each on core --core with one
-torch thread, and `kvpush bench` (on the other core) sends both the same prompts: rate 0 is one request
-at a time (--max-concurrency 1), any other rate Poisson arrivals. Prints per rate TTFT p50/p99 and TPOT
+(run on one core). Per repeat, deployment and rate, the real deployment and the emulated one (every
+instance with `--emulate FILE`) take turns, the order alternating, and `kvpush bench` sends both the same
+prompts: rate 0 is one request at a time (--max-concurrency 1), any other rate Poisson arrivals.
+`colocated` is one `kvpush serve MODEL` on core --core with one torch thread, the client on the other
+core; `push` and `pull` are `kvpush up MODEL --prefill 1 --decode 1 --kv-mode push|pull --pin
+--emulated-link off` (P on one core, D on the other, one torch thread each; the proxy and the client
+unpinned; KV at the host's own speed in both kinds). Prints per rate TTFT p50/p99 and TPOT
 p50 of each, emulated over real with a 95% bootstrap interval (clustered over the repeats, the same
 prompts paired) and a verdict against the issue's 10%, and each emulated run's validity (lateness p99
 within 5% of the median step: bench/emulation.py). Where a cell misses, the profile's clock is what is
@@ -19,8 +23,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -35,20 +44,50 @@ KINDS = ("real", "emulated")
 TARGET = 0.10  # issue 37: within 10% of the real figures
 
 
-def serve(kind: str, args: argparse.Namespace, model: str, logs: Path, tag: str) -> ServerProcess:
+@contextmanager
+def deployment(kind: str, dep: str, args: argparse.Namespace, model: str, logs: Path, tag: str) -> Iterator[str]:
+    """The deployment's URL while it runs; stopped (every process) on the way out."""
+    extra = ["--torch-threads", "1", "--compile", "auto", *(["--emulate", args.profile] if kind == "emulated" else [])]
+    if dep == "colocated":
+        server = ServerProcess(["serve", model, "--port", str(free_port()), *extra], log_path=str(logs / f"{tag}.log"),
+                               prefix=["taskset", "-c", str(args.core)]).start()
+        try:
+            server.wait_healthy(args.start_timeout_s)
+            yield server.url
+        finally:
+            server.stop()
+        return
     port = free_port()
-    extra = ["--emulate", args.profile] if kind == "emulated" else []
-    return ServerProcess(["serve", model, "--port", str(port), "--torch-threads", "1", "--compile", "auto", *extra],
-                         log_path=str(logs / f"{tag}.log"), prefix=["taskset", "-c", str(args.core)])
+    with open(logs / f"{tag}.log", "w") as log:
+        up = subprocess.Popen([sys.executable, "-m", "kvpush.cli", "up", model, "--kv-mode", dep, "--port", str(port),
+                               "--pin", "--emulated-link", "off", *extra], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        try:
+            deadline = time.monotonic() + args.start_timeout_s
+            while time.monotonic() < deadline:
+                line = up.stdout.readline()  # type: ignore[union-attr]
+                log.write(line)
+                if "ready:" in line or not line:
+                    break
+            if "ready:" not in line:
+                raise RuntimeError(f"kvpush up ({tag}) did not start; see {logs / f'{tag}.log'}")
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            up.send_signal(signal.SIGTERM)
+            try:
+                up.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(up.pid, signal.SIGKILL)
+                up.wait(10)
 
 
-def bench(url: str, args: argparse.Namespace, rate: float, seed: int, out: Path, label: str) -> dict:
+def bench(url: str, args: argparse.Namespace, rate: float, seed: int, out: Path, label: str, dep: str) -> dict:
     argv = [sys.executable, "-m", "kvpush.cli", "bench", "--base-url", url, "--num-prompts", str(args.num_prompts),
             "--input-len", str(args.input_len), "--output-len", str(args.output_len), "--ignore-eos",
             "--num-warmups", "2", "--seed", str(seed), "--result-dir", str(out), "--mode-label", label, "--no-progress",
             "--request-rate", "inf" if rate == 0 else str(rate), *(["--max-concurrency", "1"] if rate == 0 else [])]
-    other = "0" if args.core != 0 else "1"
-    subprocess.run(["taskset", "-c", other, *argv], check=True, timeout=args.timeout_s)
+    pin = ["taskset", "-c", "0" if args.core != 0 else "1"] if dep == "colocated" else []
+    subprocess.run([*pin, *argv], check=True, timeout=args.timeout_s)
     [path] = sorted(out.glob(f"{label}-*.json"))
     return json.loads(path.read_text())
 
@@ -70,25 +109,22 @@ def run(args: argparse.Namespace, model: str, out: Path) -> dict:
     logs.mkdir(parents=True, exist_ok=True)
     results: dict = {"machine": machine_line(), "args": vars(args), "runs": []}
     for rep in range(args.repeats):
-        for k, rate in enumerate(args.rates):
-            seed = args.seed + 100 * rep + k
-            order = KINDS if (rep + k) % 2 == 0 else KINDS[::-1]
-            for kind in order:
-                tag = f"{kind}-rate{rate:g}-rep{rep}"
-                server = serve(kind, args, model, logs, tag).start()
-                try:
-                    server.wait_healthy(args.start_timeout_s)
-                    doc = bench(server.url, args, rate, seed, out / tag, tag)
-                finally:
-                    server.stop()
-                results["runs"].append({"kind": kind, "rate": rate, "rep": rep, "values": per_request(doc),
-                                        "emulation": doc.get("emulation")})
-                print(f"{tag}: TTFT p50 {doc['metrics']['median_ttft_ms']:.1f} ms, TPOT p50 "
-                      f"{doc['metrics']['median_tpot_ms']:.2f} ms", flush=True)
+        for dep in args.deployments:
+            order = KINDS if rep % 2 == 0 else KINDS[::-1]
+            for kind in order:  # one start per kind, deployment and repeat: every rate on it
+                with deployment(kind, dep, args, model, logs, f"{dep}-{kind}-rep{rep}") as url:
+                    for k, rate in enumerate(args.rates):
+                        tag = f"{dep}-{kind}-rate{rate:g}-rep{rep}"
+                        doc = bench(url, args, rate, args.seed + 100 * rep + k, out / tag, tag, dep)
+                        results["runs"].append({"deployment": dep, "kind": kind, "rate": rate, "rep": rep,
+                                                "values": per_request(doc), "emulation": doc.get("emulation")})
+                        print(f"{tag}: TTFT p50 {doc['metrics']['median_ttft_ms']:.1f} ms, TPOT p50 "
+                              f"{doc['metrics']['median_tpot_ms']:.2f} ms", flush=True)
     return results
 
 
 def _paired(runs: list[dict], rate: float, metric: str, stat) -> str:
+    """`runs` of one deployment."""
     groups = []
     for rep in sorted({r["rep"] for r in runs}):
         cell = {r["kind"]: np.asarray(r["values"][metric]) for r in runs if r["rate"] == rate and r["rep"] == rep}
@@ -102,19 +138,22 @@ def _paired(runs: list[dict], rate: float, metric: str, stat) -> str:
 
 
 def table(results: dict) -> str:
-    lines = [results["machine"], "", "| rate | metric | real (ms) | emulated (ms) | emulated / real [95% CI] |",
-             "|---|---|---|---|---|"]
+    lines = [results["machine"], "",
+             "| deployment | rate | metric | real (ms) | emulated (ms) | emulated / real [95% CI] |",
+             "|---|---|---|---|---|---|"]
+    for dep in results["args"]["deployments"]:
+        runs = [r for r in results["runs"] if r["deployment"] == dep]
+        for rate in results["args"]["rates"]:
+            for metric, stat, name in (("ttft", p50, "TTFT p50"), ("ttft", p99, "TTFT p99"), ("tpot", p50, "TPOT p50")):
+                cells = []
+                for kind in KINDS:
+                    values = np.asarray(sum((r["values"][metric] for r in runs if r["rate"] == rate
+                                             and r["kind"] == kind), []))
+                    values = values[~np.isnan(values)]
+                    cells.append(fmt_ci(*bootstrap_ci(values, stat), 1) if values.size else "-")
+                lines.append(f"| {dep} | {'one at a time' if rate == 0 else f'{rate:g}/s'} | {name} | {cells[0]} | "
+                             f"{cells[1]} | {_paired(runs, rate, metric, stat)} |")
     runs = results["runs"]
-    for rate in results["args"]["rates"]:
-        for metric, stat, name in (("ttft", p50, "TTFT p50"), ("ttft", p99, "TTFT p99"), ("tpot", p50, "TPOT p50")):
-            cells = []
-            for kind in KINDS:
-                values = np.asarray(sum((r["values"][metric] for r in runs if r["rate"] == rate and r["kind"] == kind),
-                                        []))
-                values = values[~np.isnan(values)]
-                cells.append(fmt_ci(*bootstrap_ci(values, stat), 1) if values.size else "-")
-            lines.append(f"| {'one at a time' if rate == 0 else f'{rate:g}/s'} | {name} | {cells[0]} | {cells[1]} | "
-                         f"{_paired(runs, rate, metric, stat)} |")
     validity = [r["emulation"]["valid"] for r in runs if r["kind"] == "emulated" and r["emulation"]]
     lines += ["", f"Emulated runs valid (lateness p99 within 5% of the median step): {sum(validity)} of {len(validity)}"]
     return "\n".join(lines) + "\n"
@@ -124,6 +163,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--profile", required=True, help="a profile of kvpush's engine on this machine (kvpush profile)")
     ap.add_argument("--model", default=None, help="checkpoint (default: the bench preset, made if missing)")
+    ap.add_argument("--deployments", nargs="+", choices=["colocated", "push", "pull"], default=["colocated"],
+                    help="what to compare, real against emulated (default: colocated)")
     ap.add_argument("--rates", type=float, nargs="+", default=[0.0],
                     help="request rates per second; 0 = one at a time (default: 0)")
     ap.add_argument("--repeats", type=int, default=3, help="runs per kind and rate (default: 3)")
