@@ -1,6 +1,7 @@
 """vLLM with kvpush's connector against vLLM alone and vLLM's own NIXL connectors (issue #36's targets).
 
     python benchmarks/vllm_connector.py [--vllm .vllm-peer] [--groups kvpush nixl nixl-push] [--fronts F ...]
+        [--front-core N]
         [--rates 0 1] [--num-prompts 16] [--repeats 2] [--input-len 512] [--output-len 32]
         [--fragment] [--timeout-s 300] [--idle-s 10] [--idle-settle-s 5] [--seed 0] [--temperature 0]
         [--result-dir DIR]
@@ -71,18 +72,20 @@ def instance(args: argparse.Namespace, model: str, name: str, core: int, group: 
                       extra=["--no-enable-prefix-caching"])
 
 
-def front(name: str, p: ServerProcess, d: ServerProcess, logs: Path) -> ServerProcess:
+def front(name: str, p: ServerProcess, d: ServerProcess, logs: Path, core: int | None = None) -> ServerProcess:
+    """A group's front door; ``core``: pinned there (taskset)."""
     port = free_port()
+    pin = ["taskset", "-c", str(core)] if core is not None else []
     if name.endswith("router") or name == "nixl-pull":  # vLLM's NixlConnector behind vllm-router
         urls = {"prefill": [p.url], "decode": [d.url]}
-        return ServerProcess(vllm_router_argv(port, urls, [], "pull"), program=[find_vllm_router()],
+        return ServerProcess(vllm_router_argv(port, urls, [], "pull"), program=[*pin, find_vllm_router()],
                              log_path=str(logs / f"{name}.log"))
     if name.startswith("kvpush"):
         mode = name.split("-")[1]
         return ServerProcess(["proxy", "--port", str(port), "--kv-mode", mode, "--prefill", p.url, "--decode", d.url],
-                             log_path=str(logs / f"{name}.log"))
+                             log_path=str(logs / f"{name}.log"), prefix=pin)
     return ServerProcess(["--port", str(port), "--prefill", p.url, "--decode", d.url],
-                         program=[sys.executable, str(ROOT / "benchmarks" / "vllm_push_proxy.py")],
+                         program=[*pin, sys.executable, str(ROOT / "benchmarks" / "vllm_push_proxy.py")],
                          log_path=str(logs / f"{name}.log"))
 
 
@@ -104,7 +107,8 @@ def idle_cpu(procs: dict[str, ServerProcess], seconds: float) -> dict[str, float
 def run_one(args: argparse.Namespace, cfg: SuiteConfig, model: str, url: str, served: str, rate: float, seed: int,
             name: str) -> VllmRun | None:
     bench = VllmBench(args.vllm, url, served, model, cfg, rate if rate > 0 else float("inf"), seed, name,
-                      max_concurrency=1 if rate == 0 else None, temperature=args.temperature)
+                      max_concurrency=1 if rate == 0 else None, temperature=args.temperature,
+                      prefix=["taskset", "-c", str(args.front_core)] if args.front_core is not None else None)
     try:
         bench.start()
         return bench.finish(args.timeout_s)
@@ -125,7 +129,8 @@ def posted_per_transfer(urls: list[str], kind: str) -> dict[str, float]:
 def run_group(args, cfg, model: str, group: str, colocated: ServerProcess, logs: Path, results: dict) -> None:
     p = instance(args, model, f"{group}-p", 0, group, logs)
     d = instance(args, model, f"{group}-d", 1, group, logs)
-    fronts = {name: front(name, p, d, logs) for name in FRONTS[group] if not args.fronts or name in args.fronts}
+    fronts = {name: front(name, p, d, logs, args.front_core) for name in FRONTS[group]
+              if not args.fronts or name in args.fronts}
     procs = [p, d, *fronts.values()]
     try:
         start_all([p, d], args.start_timeout_s)
@@ -218,6 +223,9 @@ def main() -> None:
                     help="deployments to bring up in turn (default: all)")
     ap.add_argument("--fronts", nargs="+", choices=[f for fs in FRONTS.values() for f in fs], default=None,
                     help="only these front doors of the groups (default: every front of each group)")
+    ap.add_argument("--front-core", type=int, default=None,
+                    help="pin the front doors and the client to this core (1: D's, leaving P's and colocated's "
+                         "core 0 to them alone; default: unpinned)")
     ap.add_argument("--rates", type=float, nargs="+", default=[0.0, 1.0],
                     help="request rates per second; 0 = one at a time (default: 0 1)")
     ap.add_argument("--num-prompts", type=int, default=16, help="requests per run (default: 16)")

@@ -105,9 +105,11 @@ class VllmBench:
     """One `vllm bench serve` process against one front door; output in ``<result_dir>/<name>.log``."""
 
     def __init__(self, vllm: str, url: str, served: str, model_dir: str, cfg: SuiteConfig, rate: float, seed: int,
-                 name: str, max_concurrency: int | None = None, temperature: float | None = None) -> None:
+                 name: str, max_concurrency: int | None = None, temperature: float | None = None,
+                 prefix: list[str] | None = None) -> None:
+        """``prefix``: run the client under it (e.g. ``taskset -c 1``)."""
         self.name, self.out = name, Path(cfg.result_dir)
-        self.argv = [os.path.join(vllm, "venv", "bin", "vllm"), "bench", "serve", "--backend", "openai",
+        self.argv = [*(prefix or []), os.path.join(vllm, "venv", "bin", "vllm"), "bench", "serve", "--backend", "openai",
                      "--base-url", url, "--endpoint", "/v1/completions", "--model", served, "--tokenizer", model_dir,
                      "--dataset-name", "random", "--random-input-len", str(cfg.input_len),
                      "--random-output-len", str(cfg.output_len), "--num-prompts", str(cfg.num_prompts),
