@@ -81,3 +81,28 @@ def test_table_ratio_pairs_by_repeat_and_counts_cut_runs():
     cells = [c.strip() for c in push.split("|")]
     assert cells[4] == "4/0/1"  # the cut repeat is counted, not dropped silently
     assert cells[8].startswith("2.00 [2.00, 2.00]") and cells[9].startswith("1.00")
+
+
+def test_the_client_can_be_pinned(tmp_path):
+    cfg = SuiteConfig(model="m", num_prompts=2, input_len=8, output_len=2, result_dir=str(tmp_path))
+    argv = VllmBench(".vllm-peer", "http://x", "bench", "m", cfg, 1.0, 1, "n", prefix=["taskset", "-c", "1"]).argv
+    assert argv[:3] == ["taskset", "-c", "1"] and argv[3].endswith("vllm")
+
+
+def test_emulate_vs_real_pairs_prompts_and_judges_the_10_percent():
+    """benchmarks/emulate_vs_real.py's plain parts: per-request values from a kvpush bench JSON, the table."""
+    evr = load(BENCH / "emulate_vs_real.py", "emulate_vs_real")
+    doc = {"config": {"num_prompts": 3}, "requests": [
+        {"index": 0, "success": True, "ttft_s": 0.1, "e2el_s": 0.5, "output_tokens": 5},
+        {"index": 2, "success": True, "ttft_s": 0.2, "e2el_s": 0.2, "output_tokens": 1},
+        {"index": 1, "success": False, "ttft_s": None, "e2el_s": None, "output_tokens": 0}]}
+    values = evr.per_request(doc)
+    assert values["ttft"][0] == pytest.approx(100.0) and values["tpot"][0] == pytest.approx(100.0)
+    assert all(v != v for v in (values["ttft"][1], values["tpot"][1], values["tpot"][2]))  # NaN: failed, one token
+    real = {"ttft": [100.0 + i for i in range(20)], "tpot": [10.0] * 20}
+    runs = [{"deployment": "colocated", "kind": kind, "rate": 0.0, "rep": rep, "emulation": emulation,
+             "values": {"ttft": [x * scale for x in real["ttft"]], "tpot": [x * scale for x in real["tpot"]]}}
+            for rep in (0, 1) for kind, scale, emulation in (("real", 1.0, None), ("emulated", 1.02, {"valid": True}))]
+    text = evr.table({"machine": "m", "args": {"deployments": ["colocated"], "rates": [0.0]}, "runs": runs})
+    assert "| colocated | one at a time | TTFT p50 |" in text and "1.02 [1.02, 1.02] within 10%" in text
+    assert "valid (lateness p99 within 5% of the median step): 2 of 2" in text
