@@ -18,8 +18,6 @@ calibration that fails (an error from torch while timing) keeps the kernel, sayi
 
 from __future__ import annotations
 
-import math
-import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -80,14 +78,13 @@ class AttentionChoice:
             return f"{head} (forced by --decode-attention)"
         if self.source in ("device", "unavailable"):
             return f"{head} ({self.note})"
-        how = f"measured in {self.seconds:.1f} s" if self.source == "measured" else f"cached from {self.when}"
-        times = ", ".join(f"{w} {k:.3f} / {s:.3f}" for w, (k, s) in self.timings.items())
-        return f"{head} ({how}, {self.file}); ms kernel / sdpa: {times}; sdpa / kernel {ratio(self.timings):.2f}"
+        return f"{head} " + cal.measured_line(self.source, self.seconds, self.when, self.file, self.timings,
+                                              ("kernel", "sdpa"), 3)
 
 
 def ratio(timings: Timings) -> float:
     """Geometric mean over the workloads of SDPA's time over the kernel's."""
-    return math.exp(statistics.fmean(math.log(s / k) for k, s in timings.values()))
+    return cal.ratio(timings)
 
 
 def decide(timings: Timings) -> DecodeAttention:

@@ -13,6 +13,7 @@ import datetime
 import fcntl
 import hashlib
 import json
+import math
 import os
 import statistics
 import tempfile
@@ -69,6 +70,21 @@ def entries(cache_dir: str, prefix: str, here: dict[str, Any]) -> list[dict[str,
     found = [e for p in sorted(Path(cache_dir).glob(f"{prefix}-*.json")) if (e := read_json(p)) is not None]
     found = [e for e in found if all(e.get("key", {}).get(k) == v for k, v in here.items())]
     return sorted(found, key=lambda e: e.get("measured_at", ""), reverse=True)
+
+
+def ratio(timings: dict[str, tuple[float, float]]) -> float:
+    """Geometric mean over the workloads of the second implementation's time over the first's."""
+    return math.exp(statistics.fmean(math.log(b / a) for a, b in timings.values()))
+
+
+def measured_line(source: str, seconds: float, when: str, path: str | None, timings: dict[str, tuple[float, float]],
+                  names: tuple[str, str], digits: int) -> str:
+    """The part of a start-up log line after the choice, for a measured or cached one: how, where, the
+    timings (ms, `names` first / second) and the ratio."""
+    a, b = names
+    how = f"measured in {seconds:.1f} s" if source == "measured" else f"cached from {when}"
+    times = ", ".join(f"{w} {x:.{digits}f} / {y:.{digits}f}" for w, (x, y) in timings.items())
+    return f"({how}, {path}); ms {a} / {b}: {times}; {b} / {a} {ratio(timings):.2f}"
 
 
 def alternate(a: Callable[[], None], b: Callable[[], None]) -> tuple[float, float]:

@@ -20,8 +20,6 @@ up to layers/linear.py's HEAD_MAX_BYTES.
 
 from __future__ import annotations
 
-import math
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -84,14 +82,13 @@ class Choice:
             return f"{head} (forced by --linear-backend)"
         if self.source in ("device", "unavailable"):
             return f"{head} ({self.note})"
-        how = f"measured in {self.seconds:.1f} s" if self.source == "measured" else f"cached from {self.when}"
-        times = ", ".join(f"{w} {m:.2f} / {o:.2f}" for w, (m, o) in self.timings.items())
-        return f"{head} ({how}, {self.path}); ms mkl / onednn: {times}; onednn / mkl {ratio(self.timings):.2f}"
+        return f"{head} " + cal.measured_line(self.source, self.seconds, self.when, self.path, self.timings,
+                                              ("mkl", "onednn"), 2)
 
 
 def ratio(timings: Timings) -> float:
     """Geometric mean over the workloads of oneDNN's time over MKL's."""
-    return math.exp(statistics.fmean(math.log(o / m) for m, o in timings.values()))
+    return cal.ratio(timings)
 
 
 def decide(timings: Timings) -> LinearBackend:
