@@ -6,6 +6,8 @@
     sudo python benchmarks/regime_map.py --quick --link-gbps 0.25 --link-only   # only over the slow link
     python benchmarks/regime_map.py --mixed --result-dir kvpush-results/auto_mixed   # auto's target workload
     python benchmarks/regime_map.py --report-only --doc docs/results/regime-map.md   # regenerate its doc section
+    python benchmarks/regime_map.py --seed-grid --emulate qwen3-32b-h200-tp8 --time-scale 40 --modes push pull \
+        --serve-args "--kv-cache-memory-mb 2048" --rows 1024/64   # the seed's proportions, emulated (issue 37)
     python benchmarks/regime_map.py --confirm kvpush-results/regime_map --result-dir kvpush-results/confirm
         # rerun the cells where auto vs the best fixed mode had a verdict, 2 more runs each, pooled
     python benchmarks/regime_map.py --mixed --auto-variant 'w1=--auto-stall-weight 1'
@@ -70,6 +72,20 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="checkpoint (default: the bench preset, made if missing)")
     ap.add_argument("--quick", action="store_true", help="the ~10-minute subset")
     ap.add_argument("--mixed", action="store_true", help="one cell: auto's mixed workload at 70%% of capacity")
+    ap.add_argument("--seed-grid", action="store_true",
+                    help="the seed's proportions (issue 37; needs --emulate): 1k/4k/16k in, 64 out, loads 25-90%%, "
+                         "fresh prompts, prompts D already holds (\"held\") or both P and D hold (\"held-both\")")
+    ap.add_argument("--emulate", default="", metavar="PROFILE",
+                    help="every instance emulated with this profile, e.g. qwen3-32b-h200-tp8 (kvpush serve --emulate; "
+                         "default: none, real instances)")
+    ap.add_argument("--time-scale", type=float, default=1.0,
+                    help="with --emulate: kvpush serve --time-scale (default 1); the report gives emulated time")
+    ap.add_argument("--first-token", choices=["from-prefill", "recompute"], default=None,
+                    help="every proxy's --first-token (default: the proxy's own, from-prefill; the seed grid: "
+                         "recompute, as vLLM's decode does, so that a D holding the prompt need not wait for P)")
+    ap.add_argument("--serve-args", default="",
+                    help="extra `kvpush serve` flags of every instance, e.g. \"--kv-cache-memory-mb 4096\" "
+                         "(default: none beyond --torch-threads 1)")
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=[*MODES, *FORCED])
     ap.add_argument("--forced-routes", action="store_true",
                     help="also run each fixed route forced on the auto deployment (auto@push, ...): auto vs the "
@@ -89,7 +105,7 @@ def main() -> None:
     ap.add_argument("--loads", nargs="+", type=float, default=[], metavar="FRACTION",
                     help="only these loads of the grid (fractions of capacity, e.g. 0.8)")
     ap.add_argument("--prefixes", nargs="+", default=[], metavar="PREFIX",
-                    help="only these prefixes of the grid (none, sessions)")
+                    help="only these prefixes of the grid (none, sessions; the seed grid: none, held, held-both)")
     ap.add_argument("--run-s", type=float, default=None, help="seconds of load per mode and cell")
     ap.add_argument("--repeats", type=int, default=None,
                     help="runs per mode and cell, the order rotating, pooled (default: 2; full grid 1)")
@@ -116,7 +132,11 @@ def main() -> None:
                     help="also rewrite this Markdown file's generated section, e.g. docs/results/regime-map.md "
                          "(--readme: the old name; default: none)")
     args = ap.parse_args()
-    grid = "mixed" if args.mixed else "quick" if args.quick else "full"
+    grid = "seed" if args.seed_grid else "mixed" if args.mixed else "quick" if args.quick else "full"
+    if args.seed_grid and not args.emulate:
+        ap.error("--seed-grid needs --emulate (e.g. --emulate qwen3-32b-h200-tp8 --time-scale 40)")
+    if not args.time_scale > 0:
+        ap.error("--time-scale must be positive")
     assert grid in GRIDS
     rows = row_names(grid)
     if any(r not in rows for r in args.rows):
@@ -152,6 +172,7 @@ def main() -> None:
         defaults = MapConfig(model=model)
         run_s, max_prompts = {"quick": (8.0, 40), "mixed": (30.0, 120)}.get(grid, (defaults.run_s,
                                                                                  defaults.max_prompts))
+        first_token = args.first_token or ("recompute" if grid == "seed" else None)
         modes = tuple(args.modes) + (FORCED if args.forced_routes and "auto" in args.modes else ())
         if args.same_processes:
             modes = same_processes_modes(modes)
@@ -164,7 +185,9 @@ def main() -> None:
                         auto_variants=variants, calibrate=not args.no_calibrate,
                         repeats=args.repeats or (1 if grid == "full" else 2), rows=tuple(args.rows),
                         loads=tuple(args.loads), prefixes=tuple(args.prefixes), reset_caches=args.same_processes,
-                        command=command)
+                        command=command, emulate=args.emulate, time_scale=args.time_scale,
+                        proxy_args=["--first-token", first_token] if first_token else [],
+                        serve_args=[*defaults.serve_args, *shlex.split(args.serve_args)])
         try:
             check_modes(cfg)
         except ValueError as exc:

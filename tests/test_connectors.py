@@ -200,6 +200,31 @@ def test_decode_full_prefix_hit_releases_p():
     assert r.num_computed_tokens == 8 and eng.scheduler.waiting[0] is r  # only the last position to compute
 
 
+@pytest.mark.parametrize("mode,first", [(KVMode.PUSH, FirstToken.RECOMPUTE), (KVMode.PUSH_LAYERWISE, FirstToken.RECOMPUTE),
+                                        (KVMode.PULL, FirstToken.RECOMPUTE), (KVMode.PUSH, FirstToken.FROM_PREFILL)])
+def test_decode_holding_all_but_a_partial_block_computes_the_tail_in_push_recompute(mode, first):
+    """D holds 2 full blocks of an 11-token prompt (tail of 2 tokens before the last position): push with
+    recompute computes them itself and releases P; pull and from-prefill still receive the partial block."""
+    d, rt, eng = connect(DecodeConnector, Role.DECODE, mode)
+    first_req = request(9)
+    eng.scheduler.add(first_req)
+    eng.scheduler.update(eng.scheduler.schedule(), {})  # computed here: its 2 full blocks are cached
+    r = Request("longer", list(first_req.prompt_token_ids) + [50, 51], SamplingParams(max_tokens=4))
+    pull = {"block_ids": [0, 1, 2], "num_tokens": 11, "lease_expiry": time.time() + 60} if mode is KVMode.PULL else {}
+    d.on_add(r, d_leg(mode, first, **pull))
+    eng.scheduler.add(r)
+    eng.scheduler.schedule(d.admit)
+    (cmd,) = rt.submitted
+    local = mode.is_push and first is FirstToken.RECOMPUTE
+    assert r.num_cached_tokens == 2 * BS
+    if not local:
+        assert not isinstance(cmd, SendNotif) and list(cmd.block_ids) == [r.block_table[2]]
+        return
+    assert isinstance(cmd, SendNotif) and isinstance(cmd.message, pr.Release)
+    assert d.poll() == [] and r.num_computed_tokens == 2 * BS  # the tail (3 tokens) is computed on D
+    assert (r, 3) in eng.scheduler.schedule().scheduled  # a prefill of the tail and the last position
+
+
 # ---- prefill -----------------------------------------------------------------------------------
 
 

@@ -66,6 +66,21 @@ def test_prefix_cache_hits_on_decode(cluster, reference, first_token):
         assert usage["prompt_tokens_details"]["cached_tokens"] == 4 * BS and moved == 0
 
 
+def test_push_recompute_computes_a_partial_tail_on_decode_without_waiting_for_p(cluster, reference):
+    """D holds all but under a block of the prompt (before its last position): in push with D recomputing,
+    D computes the tail itself and receives nothing; pull reads the partial block from P."""
+    url = cluster.proxies["recompute"].url
+    base = prompt_of(3 * BS, seed=71 + len(cluster.mode))
+    assert completion(url, base, logprobs=False)[1] == reference(base)[1]  # D caches base's full blocks
+    tail = base + prompt_of(BS // 2, seed=72)  # BS // 2 - 1 tokens after base before the last position
+    bytes_before = metric(cluster.decodes[0].url, "kvpush_kv_transfer_bytes_total")
+    _, text, usage = completion(url, tail, logprobs=False)
+    assert text == reference(tail)[1]
+    assert usage["prompt_tokens_details"]["cached_tokens"] == 3 * BS
+    moved = metric(cluster.decodes[0].url, "kvpush_kv_transfer_bytes_total") - bytes_before
+    assert (moved == 0) if cluster.mode != "pull" else (moved > 0)
+
+
 def test_a_prefix_cache_reset_through_the_proxy_makes_the_next_request_cold(cluster, reference):
     """POST /reset_prefix_cache on the proxy: P and D forget what they cached; the same prompt then
     moves its whole KV again (as a benchmark's next run would)."""

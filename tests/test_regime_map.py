@@ -425,3 +425,110 @@ def test_capacity_probes_on_shared_processes_start_from_empty_caches(monkeypatch
     calls.clear()
     suite.measure_capacity(cfg, fleet)  # type: ignore[arg-type]
     assert calls == ["probe pull", "probe push"]
+
+
+def emulated(doc: dict, valid: bool = True, scale: float = 10.0) -> dict:
+    """A run document as `kvpush bench` writes it for emulated instances (bench/emulation.py's report)."""
+    inst = {"url": "http://p", "profile": "qwen3-32b-h200-tp8", "time_scale": scale, "step_p50_s": 0.04,
+            "lateness_p99_s": 0.001 if valid else 0.004, "valid": valid}
+    return {**doc, "emulation": {"profiles": ["qwen3-32b-h200-tp8"], "time_scales": [scale], "valid": valid,
+                                 "instances": [inst], "unreachable": []}}
+
+
+def test_an_emulated_cell_is_in_emulated_time_and_counts_its_valid_runs():
+    """Times of emulated runs divide by the time scale (ratios do not move); the cell counts the runs that
+    kept the clock, and the report says the map is emulated, in which rates and how many runs were valid."""
+    runs = {"push": [emulated(r) for r in runs_of(1000)],
+            "pull": [emulated(r, valid=i > 0) for i, r in enumerate(runs_of(3000))]}
+    s = summarize(Cell("full", 1024, 128, 0.5, "held"), 0.5, runs, {})
+    assert s["modes"]["push"]["ttft_p50_ms"] == pytest.approx(100) and s["modes"]["pull"]["tpot_p50_ms"] == pytest.approx(1)
+    assert s["push_vs_pull"]["ttft_p50"]["ratio"] == pytest.approx(1 / 3)
+    assert s["emulation"] == {"profiles": ["qwen3-32b-h200-tp8"], "time_scale": 10.0, "runs": 6, "valid_runs": 5,
+                              "worst_lateness_p99_of_step": pytest.approx(0.1)}
+    doc = {"config": MapConfig(model="m", grid="seed", emulate="qwen3-32b-h200-tp8", time_scale=10).__dict__,
+           "elapsed_s": 60, "cells": [s]}
+    table = markdown(doc)
+    assert "| rate (emulated req/s) | valid runs |" in table and "| full 1024/128 50% held | 5.0 | 5/6 |" in table
+    from kvpush.bench.regime_report import section
+    assert "**EMULATED** (qwen3-32b-h200-tp8, time scale x10" in section(doc, None) and "5 of 6 runs valid" in section(doc, None)
+    assert "emulation" not in summarize(Cell("full", 1024, 128, 0.5, "none"), 0.5, {"push": runs_of(10)}, {})
+    with pytest.raises(ValueError, match="several time scales"):
+        summarize(Cell("full", 1024, 128, 0.5, "none"), 0.5, {"push": [emulated(runs_of(10)[0], scale=40)],
+                                                               "pull": [emulated(runs_of(10)[0])]}, {})
+
+
+def test_proxy_args_reach_every_deployments_proxy_and_emulation_every_instance(tmp_path: Path,
+                                                                               monkeypatch: pytest.MonkeyPatch):
+    """--first-token (the seed grid: recompute) goes to every proxy; --emulate and --time-scale to every
+    instance, colocated included (nothing is started: the fleet's processes are only described)."""
+    from kvpush.bench.regime import start_fleet
+    from kvpush.bench.suite import Fleet, SuiteConfig
+
+    fleet = Fleet(SuiteConfig(model="m", modes=("colocated", "push", "auto"), proxy_args=["--first-token", "recompute"],
+                              auto_proxy_args=["--auto-stall-weight", "2"]), str(tmp_path))
+    assert fleet.deployments["push"].proxy.argv[-2:] == ["--first-token", "recompute"]
+    assert fleet.deployments["auto"].proxy.argv[-4:] == ["--first-token", "recompute", "--auto-stall-weight", "2"]
+    started: list[SuiteConfig] = []
+
+    class Started:
+        def __init__(self, base: SuiteConfig, log_dir: str, link: object) -> None:
+            started.append(base)
+
+        def start(self) -> Started:
+            return self
+
+    import kvpush.bench.regime as regime
+    monkeypatch.setattr(regime, "Fleet", Started)
+    start_fleet(MapConfig(model="m", emulate="qwen3-32b-h200-tp8", time_scale=40, result_dir=str(tmp_path),
+                          proxy_args=["--first-token", "recompute"]), "full", None)
+    assert started[0].serve_args == ["--torch-threads", "1", "--emulate", "qwen3-32b-h200-tp8", "--time-scale", "40"]
+    assert started[0].proxy_args == ["--first-token", "recompute"]
+
+
+def test_the_seed_grid_needs_an_emulated_profile(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch):
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location("regime_map_cli2", Path(__file__).parents[1] / "benchmarks/regime_map.py")
+    assert spec is not None and spec.loader is not None
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    for argv, message in ((["--seed-grid"], "--seed-grid needs --emulate"),
+                          (["--seed-grid", "--emulate", "x", "--time-scale", "0"], "--time-scale must be positive"),
+                          (["--seed-grid", "--emulate", "x", "--prefixes", "sessions"], "none held")):
+        monkeypatch.setattr(sys, "argv", ["regime_map.py", *argv])
+        with pytest.raises(SystemExit):
+            cli.main()
+        assert message in capsys.readouterr().err
+
+
+def test_held_prompts_are_served_once_first_and_only_held_forgets_them_on_prefill(tmp_path: Path,
+                                                                                  monkeypatch: pytest.MonkeyPatch):
+    """"held": a warm run of the same prompts, then P's prefix cache reset (D holds them, P none);
+    "held-both": no reset. The warm run is written apart and not reported (nothing is started here)."""
+    import kvpush.bench.regime as regime
+    from kvpush.bench.suite import Fleet, SuiteConfig, bench_args
+
+    fleet = Fleet(SuiteConfig(model="m", modes=("push",)), str(tmp_path))
+    fleet.urls["push"] = "http://proxy"
+    calls: list[tuple[str, ...]] = []
+    monkeypatch.setattr(regime.bench_cli, "_one_run",
+                        lambda args, k, rate, model: calls.append(("run", args.mode_label, str(args.seed),
+                                                                   args.result_dir)) or ({}, None))
+    monkeypatch.setattr(regime, "reset_prefix_caches", lambda url: calls.append(("reset", url)))
+    monkeypatch.setattr(regime, "_routes", lambda url: {})
+    cfg = MapConfig(model="m", grid="seed", modes=("push",), result_dir=str(tmp_path))
+    suite = SuiteConfig(model="m")
+    p_url = fleet.deployments["push"].of_role("prefill")[0].url
+    for prefix, resets in (("held", [("reset", p_url)]), ("held-both", []), ("none", [])):
+        calls.clear()
+        regime._run_mode(cfg, suite, fleet, Cell("full", 1024, 64, 0.5, prefix), 1.0, "push", 7)
+        runs = [c for c in calls if c[0] == "run"]
+        assert [c for c in calls if c[0] == "reset"] == resets
+        if prefix == "none":
+            assert runs == [("run", "push", "7", str(tmp_path / "runs/full"))]
+            continue
+        assert runs == [("run", "push-warm", "7", str(tmp_path / "runs/full/held-warm")),
+                        ("run", "push", "7", str(tmp_path / "runs/full"))]  # the same prompts, the warm run apart
+        assert calls.index(runs[0]) < calls.index(runs[1]) and (not resets or calls[1] == resets[0])
+    assert bench_args(suite, "http://x", "push", 1.0, 7).seed == 7

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -100,9 +101,14 @@ def test_emulate_vs_real_pairs_prompts_and_judges_the_10_percent():
     assert values["ttft"][0] == pytest.approx(100.0) and values["tpot"][0] == pytest.approx(100.0)
     assert all(v != v for v in (values["ttft"][1], values["tpot"][1], values["tpot"][2]))  # NaN: failed, one token
     real = {"ttft": [100.0 + i for i in range(20)], "tpot": [10.0] * 20}
-    runs = [{"deployment": "colocated", "kind": kind, "rate": 0.0, "rep": rep, "emulation": emulation,
+    runs = [{"deployment": "colocated", "kind": kind, "rate": "0", "rep": rep, "emulation": emulation,
              "values": {"ttft": [x * scale for x in real["ttft"]], "tpot": [x * scale for x in real["tpot"]]}}
             for rep in (0, 1) for kind, scale, emulation in (("real", 1.0, None), ("emulated", 1.02, {"valid": True}))]
     text = evr.table({"machine": "m", "args": {"deployments": ["colocated"], "rates": [0.0]}, "runs": runs})
     assert "| colocated | one at a time | TTFT p50 |" in text and "1.02 [1.02, 1.02] within 10%" in text
     assert "valid (lateness p99 within 5% of the median step): 2 of 2" in text
+    args = SimpleNamespace(rates=[0.0, 2.0], loads=[0.5, 0.8])
+    assert evr.rates_of(args, {"push": 3.0}, "push") == [("0", 0.0), ("2", 2.0), ("50%", 1.5), ("80%", 2.4)]
+    loaded = [{**r, "rate": "80%"} for r in runs]
+    assert "| colocated | 80% of capacity | TPOT p50 |" in evr.table({"machine": "m", "args": {"deployments": ["colocated"]},
+                                                                      "runs": loaded})

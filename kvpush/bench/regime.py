@@ -9,7 +9,9 @@
 
 Prefix "none" draws fresh random prompts; "sessions" sends multi-turn sessions (each turn extends
 the previous one, so D - or a colocated server - already holds most of the prompt); "mixed" a third
-each of short (length / 4), long (length x 2) and session prompts. A run lasts
+each of short (length / 4), long (length x 2) and session prompts; "held" serves the run's prompts once
+first and resets P's prefix cache, so D holds every prompt and P none; "held-both" keeps P's, so both
+hold it (hold_on_decode). A run lasts
 about `run_s` seconds (at least `min_prompts`, at most `max_prompts` requests). Ratios whose interval
 spans 1.0 are "cannot tell"; a ratio beyond 1.0 on fewer runs a side than MIN_RUNS (or unpaired) is a
 "screen": reported, not counted as a verdict.
@@ -17,6 +19,7 @@ spans 1.0 are "cannot tell"; a ratio beyond 1.0 on fewer runs a side than MIN_RU
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import time
@@ -55,6 +58,9 @@ GRIDS: dict[str, dict[str, tuple]] = {
     "quick": {"input_lens": (512,), "output_lens": (32,), "loads": (0.5, 0.8), "prefixes": ("none", "sessions")},
     # auto's target workload: short and long prompts and multi-turn sessions at ~70% of capacity
     "mixed": {"input_lens": (512,), "output_lens": (32,), "loads": (0.7,), "prefixes": ("mixed",)},
+    # the seed's proportions (issue 37): an emulated Qwen3-32B rank; fresh prompts, or prompts D already holds
+    "seed": {"input_lens": (1024, 4096, 16384), "output_lens": (64,), "loads": (0.25, 0.5, 0.75, 0.9),
+             "prefixes": ("none", "held", "held-both")},
 }
 
 
@@ -89,6 +95,9 @@ class MapConfig:
     # every endpoint's prefix caches reset before each run (POST /reset_prefix_cache): routes forced on
     # the auto deployment then run the fixed modes' prompts, paired (see same_processes_modes)
     reset_caches: bool = False
+    proxy_args: list[str] = field(default_factory=list)  # every deployment's proxy (e.g. --first-token recompute)
+    emulate: str = ""  # every instance emulated with this profile (kvpush serve --emulate); "" for real ones
+    time_scale: float = 1.0  # with emulate: kvpush serve --time-scale
 
 
 @dataclass(frozen=True)
@@ -181,10 +190,27 @@ def _run_mode(cfg: MapConfig, suite: SuiteConfig, fleet: Fleet, cell: Cell, rate
         args.dataset, args.session_turns, args.turn_len = cell.prefix, cfg.turns, cfg.turn_len
     if cfg.reset_caches:
         reset_prefix_caches(fleet.urls[mode])
+    if cell.prefix in ("held", "held-both"):
+        hold_on_decode(fleet, mode, args, rate, cfg.model, keep_on_prefill=cell.prefix == "held-both")
     before = _routes(fleet.urls[mode]) if mode == "auto" else None  # a variant's: from its requests (summarize)
     doc, _ = bench_cli._one_run(args, 0, rate, cfg.model)
     after = _routes(fleet.urls[mode]) if before is not None else None
     return doc, ({r: after[r] - before[r] for r in ROUTES} if after and before else {})
+
+
+def hold_on_decode(fleet: Fleet, mode: str, args: argparse.Namespace, rate: float, model: str,
+                   keep_on_prefill: bool = False) -> None:
+    """Prefixes "held" and "held-both": the run's prompts served once first (a run of its own, not
+    reported), so that the measured run finds every prompt on D (a colocated server: on itself). "held"
+    then resets P's prefix cache (D holds the prompts, P none: pull waits for P's whole prefill);
+    "held-both" keeps it (repeated prompts, vLLM PR #35264's 100% prefix hit: P's leg is short, pull
+    still waits for it and the proxy's round trip)."""
+    warm = argparse.Namespace(**{**vars(args), "result_dir": os.path.join(args.result_dir, "held-warm"),
+                                 "mode_label": f"{args.mode_label}-warm"})
+    bench_cli._one_run(warm, 0, rate, model)
+    deployment = None if keep_on_prefill else fleet.deployments.get(parse(mode).deployment)
+    for inst in deployment.of_role("prefill") if deployment is not None else ():
+        reset_prefix_caches(inst.url)
 
 
 def _pct(values: list[float], stat: Stat) -> float | None:
@@ -206,13 +232,17 @@ def summarize(cell: Cell, rate: float, runs: dict[str, list[dict]], routes: dict
     push/pull, auto/best-fixed and auto/each-fixed ratios; per auto variant (auto+NAME) its ratios to
     auto and to each fixed mode, and the routes its measured requests took."""
     runs = {m: docs for m, docs in runs.items() if docs}
-    ttft = {m: request_values(docs, "ttft") for m, docs in runs.items()}
-    tpot = {m: request_values(docs, "tpot") for m, docs in runs.items()}
+    emulation = emulation_summary(runs)
+    scale = 1.0 / emulation["time_scale"] if emulation else 1.0  # emulated runs: ms of emulated time
+    ttft = {m: [v * scale for v in request_values(docs, "ttft")] for m, docs in runs.items()}
+    tpot = {m: [v * scale for v in request_values(docs, "tpot")] for m, docs in runs.items()}
     modes = {m: {"runs": len(docs), "completed": sum(int(d["metrics"].get("completed", 0)) for d in docs),
                  "failed": sum(int(d["metrics"].get("failed", 0)) for d in docs),
                  "ttft_p50_ms": _pct(ttft[m], p50), "ttft_p99_ms": _pct(ttft[m], p99),
                  "tpot_p50_ms": _pct(tpot[m], p50)} for m, docs in runs.items()}
     out: dict[str, Any] = {"cell": asdict(cell), "name": cell.name, "rate": rate, "modes": modes, "routes": routes}
+    if emulation:
+        out["emulation"] = emulation
     if "push" in runs and "pull" in runs:
         out["push_vs_pull"] = _compare(runs, "push", "pull")
     elif "auto@push" in runs and "auto@pull" in runs:  # --same-processes: the routes on auto's processes
@@ -239,6 +269,23 @@ def summarize(cell: Cell, rate: float, runs: dict[str, list[dict]], routes: dict
                                "vs_auto": _compare(runs, v, "auto") if "auto" in runs else None,
                                "vs_each": {m: _compare(runs, v, m) for m in fixed}} for v in variants}
     return out
+
+
+def emulation_summary(runs: dict[str, list[dict]]) -> dict[str, Any] | None:
+    """Where the cell's runs were emulated (bench/emulation.py's report in each): the profiles, the one
+    time scale, how many runs were valid, and the worst instance's lateness p99 / median step. None for
+    real runs. Raises ValueError for runs of several time scales (their times could not be pooled)."""
+    reports = [d["emulation"] for docs in runs.values() for d in docs if d.get("emulation")]
+    if not reports:
+        return None
+    scales = {s for r in reports for s in r["time_scales"]}
+    if len(scales) != 1:
+        raise ValueError(f"the cell's runs were emulated at several time scales: {sorted(scales)}")
+    worst = max(((i.get("lateness_p99_s") or 0.0) / i["step_p50_s"] for r in reports for i in r["instances"]
+                 if i.get("step_p50_s")), default=0.0)
+    return {"profiles": sorted({p for r in reports for p in r["profiles"]}), "time_scale": scales.pop(),
+            "runs": sum(len(docs) for docs in runs.values()), "valid_runs": sum(bool(r["valid"]) for r in reports),
+            "worst_lateness_p99_of_step": worst}
 
 
 def routes_taken(docs: list[dict]) -> dict[str, float]:
@@ -298,8 +345,9 @@ def cells_for(cfg: MapConfig, link: str, input_len: int, output_len: int) -> lis
 def start_fleet(cfg: MapConfig, link_name: str, link: Any) -> tuple[SuiteConfig, Fleet, CalibrationConfig]:
     """Every deployment of cfg.modes up (over `link`, or none), logs under result_dir/logs/<link>; with
     the suite settings they share and the process check's probe."""
-    base = SuiteConfig(model=cfg.model, modes=cfg.modes, serve_args=cfg.serve_args, pin=cfg.pin,
-                       auto_proxy_args=cfg.auto_proxy_args, auto_variants=cfg.auto_variants,
+    emulated = ["--emulate", cfg.emulate, "--time-scale", f"{cfg.time_scale:g}"] if cfg.emulate else []
+    base = SuiteConfig(model=cfg.model, modes=cfg.modes, serve_args=[*cfg.serve_args, *emulated], pin=cfg.pin,
+                       auto_proxy_args=cfg.auto_proxy_args, auto_variants=cfg.auto_variants, proxy_args=cfg.proxy_args,
                        capacity_prompts=cfg.capacity_prompts, result_dir=cfg.result_dir, seed=cfg.seed)
     log_dir = os.path.join(cfg.result_dir, "logs", link_dir(link_name))
     os.makedirs(log_dir, exist_ok=True)

@@ -61,11 +61,17 @@ def markdown(doc: dict[str, Any]) -> str:
     head = ("| cell (link in/out load prefix) | rate | " + " | ".join(f"{m} TTFT p50" for m in modes)
             + " | push/pull TTFT p50 | push/pull TTFT p99 | push/pull TPOT p50 | auto / best fixed TTFT p50 "
               "| auto / best p99 | auto routes |")
+    emulated = any(c.get("emulation") for c in cells)
+    if emulated:  # rates and times in emulated time; each cell's valid runs (bench/emulation.py's rule)
+        head = head.replace("| rate |", "| rate (emulated req/s) | valid runs |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for c in cells:
         best = (c.get("auto_vs_best") or {}).get("best", "")
         routes = ", ".join(f"{k} {v:.0f}" for k, v in (c.get("routes") or {}).items() if v)
-        row = [c["name"], f"{c['rate']:.2f}", *[_ms((c["modes"].get(m) or {}).get("ttft_p50_ms")) for m in modes],
+        em = c.get("emulation")
+        rate = [f"{c['rate'] * em['time_scale']:.1f}", f"{em['valid_runs']}/{em['runs']}"] if em else \
+            ["-", "-"] if emulated else [f"{c['rate']:.2f}"]
+        row = [c["name"], *rate, *[_ms((c["modes"].get(m) or {}).get("ttft_p50_ms")) for m in modes],
                _ratio_text(_cell_ratio(c, "push_vs_pull", "ttft_p50")),
                _ratio_text(_cell_ratio(c, "push_vs_pull", "ttft_p99")),
                _ratio_text(_cell_ratio(c, "push_vs_pull", "tpot_p50")),
@@ -282,6 +288,7 @@ def section(doc: dict[str, Any], png: str | None) -> str:
     need = ", ".join(f"{LABELS[k]} {n}" for k, n in MIN_RUNS.items())
     return "\n".join([
         begin,
+        *emulated_lines(doc),
         f"Generated from `{command}` ({what}; loads are fractions of the slower of push and pull at full "
         "concurrency; 95% bootstrap intervals; **bold** = the interval excludes 1 on enough runs a side "
         f"({need}); \"screen\" = it excludes 1 on fewer, counted as cannot tell).",
@@ -294,6 +301,19 @@ def section(doc: dict[str, Any], png: str | None) -> str:
         markdown(doc),
         end,
     ])
+
+
+def emulated_lines(doc: dict[str, Any]) -> list[str]:
+    """For a map of emulated instances: what they emulate, and how many runs kept the clock."""
+    ems = [c["emulation"] for c in doc["cells"] if c.get("emulation")]
+    if not ems:
+        return []
+    profiles = ", ".join(sorted({p for e in ems for p in e["profiles"]}))
+    valid, runs = sum(e["valid_runs"] for e in ems), sum(e["runs"] for e in ems)
+    worst = max(e["worst_lateness_p99_of_step"] for e in ems)
+    return [f"**EMULATED** ({profiles}, time scale x{ems[0]['time_scale']:g}; docs/emulation.md): rates and times are "
+            f"emulated time (wall-clock / scale), not a measurement of hardware; {valid} of {runs} runs valid "
+            f"(worst instance lateness p99 {worst:.1%} of its median step).", ""]
 
 
 def confirm_table(doc: dict[str, Any]) -> list[str]:

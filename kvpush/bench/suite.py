@@ -63,6 +63,7 @@ class SuiteConfig:
     # (its --auto-* ones; scheduler flags among them go to its instances after serve_args: split_variant_flags)
     auto_variants: dict[str, list[str]] = field(default_factory=dict)
     calibrate: bool = False  # run_suite: check the processes first, restart a slow one (bench/calibrate.py)
+    proxy_args: list[str] = field(default_factory=list)  # extra `kvpush proxy` flags of every deployment
 
 
 def split_variant_flags(flags: list[str]) -> tuple[list[str], list[str]]:
@@ -90,8 +91,8 @@ def deployment_of(cfg: SuiteConfig, mode: str) -> tuple[str, list[str], list[str
     name = variant_name(mode)
     if name is not None:  # auto's own extra flags first: the variant's override them (the last wins)
         proxy, serve = split_variant_flags(cfg.auto_variants[name])
-        return "auto", [*cfg.auto_proxy_args, *proxy], [*cfg.serve_args, *serve]
-    return mode, list(cfg.auto_proxy_args) if mode == "auto" else [], list(cfg.serve_args)
+        return "auto", [*cfg.proxy_args, *cfg.auto_proxy_args, *proxy], [*cfg.serve_args, *serve]
+    return mode, [*cfg.proxy_args, *(cfg.auto_proxy_args if mode == "auto" else [])], list(cfg.serve_args)
 
 
 class Fleet:

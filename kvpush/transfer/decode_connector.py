@@ -4,7 +4,8 @@ Request lifecycle on D:
     admitted with DecodeLegParams -> WAITING (until a sequence slot is free)
     -> no free blocks: refused (429, shed kv_cache_full), P is told to Abort
     -> blocks allocated; D's prefix cache covers the first blocks, the rest is received:
-         nothing to receive: P is told to Release; the request runs at once
+         nothing to receive (push with --first-token recompute: also when under a block is missing,
+         which D computes itself): P is told to Release; the request runs at once
          push: PushReg sent to P (Register)     pull: READ of P's blocks posted (Read)
        -> WAITING_FOR_REMOTE_KV
     -> KVReady: num_computed_tokens = tokens received (prompt, or prompt - 1 when D recomputes
@@ -91,6 +92,8 @@ class DecodeConnector(RuntimeConnector):
         hits = hooks.cached_prefix(request.prompt_token_ids[: st.need_len])
         if st.params.mode.is_push and st.need_len == n:
             hits = hits[: (n - 1) // bs]  # P's first token rides on Done: leave at least one block to push
+        if self._tail_is_local(st, len(hits) * bs):
+            st.need_len = len(hits) * bs  # D computes the few tokens after its prefix itself: P not awaited
         if not hooks.allocate(request, n - len(hits) * bs, hits):
             return self._no_blocks(request, st, n - len(hits) * bs)
         st.admitted = True
@@ -102,6 +105,14 @@ class DecodeConnector(RuntimeConnector):
         else:
             self._nothing_to_receive(request, st)
         return Admission.PARK
+
+    def _tail_is_local(self, st: DecodeState, held: int) -> bool:
+        """Push with D recomputing the last position, and D's prefix cache holding all but a partial
+        block (fewer than block_size tokens) of what it would receive: D computes that tail itself, as it
+        computes the last position anyway, rather than wait for P's whole prefill to push one block (the
+        full-hit case; P is told to Release). Pull keeps reading: P has finished when D hears of it."""
+        tail = st.need_len - held
+        return st.params.mode.is_push and not self._from_prefill(st) and held > 0 and tail < self.hooks.block_size
 
     def _late(self, request: Request, st: DecodeState) -> Admission:
         """The KV deadline passed while the request waited for blocks: give P its blocks back and
