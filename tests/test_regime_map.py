@@ -515,7 +515,8 @@ def test_held_prompts_are_served_once_first_and_only_held_forgets_them_on_prefil
     monkeypatch.setattr(regime.bench_cli, "_one_run",
                         lambda args, k, rate, model: calls.append(("run", args.mode_label, str(args.seed),
                                                                    args.result_dir)) or ({}, None))
-    monkeypatch.setattr(regime, "reset_prefix_caches", lambda url: calls.append(("reset", url)))
+    import kvpush.bench.regime_cells as cells
+    monkeypatch.setattr(cells, "reset_prefix_caches", lambda url: calls.append(("reset", url)))
     monkeypatch.setattr(regime, "_routes", lambda url: {})
     cfg = MapConfig(model="m", grid="seed", modes=("push",), result_dir=str(tmp_path))
     suite = SuiteConfig(model="m")
