@@ -43,6 +43,7 @@ from kvpush.bench.suite import (
     measure_capacity,
     reset_prefix_caches,
 )
+from kvpush.config import TransferConfig
 
 MODES = ("colocated", "pull", "push", "push-layerwise", "auto")
 FIXED = ("pull", "push", "push-layerwise")
@@ -313,8 +314,7 @@ def cells_for(cfg: MapConfig, link: str, input_len: int, output_len: int) -> lis
 def start_fleet(cfg: MapConfig, link_name: str, link: Any) -> tuple[SuiteConfig, Fleet, CalibrationConfig]:
     """Every deployment of cfg.modes up (over `link`, or none), logs under result_dir/logs/<link>; with
     the suite settings they share and the process check's probe."""
-    emulated = ["--emulate", cfg.emulate, "--time-scale", f"{cfg.time_scale:g}"] if cfg.emulate else []
-    base = SuiteConfig(model=cfg.model, modes=cfg.modes, serve_args=[*cfg.serve_args, *emulated], pin=cfg.pin,
+    base = SuiteConfig(model=cfg.model, modes=cfg.modes, serve_args=[*emulated_args(cfg), *cfg.serve_args], pin=cfg.pin,
                        auto_proxy_args=cfg.auto_proxy_args, auto_variants=cfg.auto_variants, proxy_args=cfg.proxy_args,
                        capacity_prompts=cfg.capacity_prompts, result_dir=cfg.result_dir, seed=cfg.seed)
     log_dir = os.path.join(cfg.result_dir, "logs", link_dir(link_name))
@@ -322,6 +322,18 @@ def start_fleet(cfg: MapConfig, link_name: str, link: Any) -> tuple[SuiteConfig,
     fleet = Fleet(base, log_dir, link).start()
     probe = CalibrationConfig.for_prompts(cfg.model, GRIDS[cfg.grid]["input_lens"][0], base.vocab_size)
     return base, fleet, probe
+
+
+def emulated_args(cfg: MapConfig) -> list[str]:
+    """`kvpush serve` flags of emulated instances: the profile, the time scale, and the KV deadline and lease
+    stretched by the time scale as every modelled time is (a 30 s deadline stands for 30 s of emulated time;
+    a queue of 1.8 emulated seconds before P would otherwise outlast it at x20). cfg.serve_args come after
+    these and override them."""
+    if not cfg.emulate:
+        return []
+    t, s = TransferConfig(), cfg.time_scale
+    return ["--emulate", cfg.emulate, "--time-scale", f"{s:g}", "--kv-timeout-s", f"{t.kv_timeout_s * s:g}",
+            "--kv-lease-s", f"{t.kv_lease_s * s:g}"]
 
 
 def row_suite(base: SuiteConfig, input_len: int, output_len: int) -> SuiteConfig:
