@@ -238,7 +238,8 @@ def test_push_with_vllm_push_proxy_shape(deployment, push_deployment):
     """vLLM's push demo proxy: P's leg, then D gets P's coordinates and transfer id but no block ids."""
     _, colocated, _ = deployment
     push, _ = push_deployment
-    body = completion_body(PROMPTS[2])
+    # a prompt D has not served: D holding all but a partial block of one computes the tail itself (no WRITE)
+    body = completion_body(PROMPTS[2] + "thirteen fourteen")
     status, out = post(push.prefills[0].url + "/v1/completions", {**body, "max_tokens": 1, "kv_transfer_params": {
         "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None, "remote_block_ids": None,
         "remote_host": None, "remote_port": None}})
