@@ -9,7 +9,8 @@ then per rate runs `kvpush bench` through the proxy and reads every /metrics bef
 proxy's, and each instance it lists):
 
     proxy        requests, routes chosen (auto), shed, rerouted
-    instances    transfers completed, by ledger state (records held now), failures by reason,
+    instances    transfers completed (counted on D), ledger records by state (live ones and tombstones,
+                 kept 300 s to catch late messages), failures by reason,
                  ignored notifications, quarantined blocks, local fallbacks, blocks in use once idle
                  (with the prefix cache's blocks: see below), and each run's validity (lateness p99
                  within 5% of the median step, bench/emulation.py)
@@ -42,6 +43,7 @@ from kvpush.bench.machine import machine_line
 from kvpush.config import default_model_dir
 from kvpush.launcher.launch import free_port
 
+TERMINAL = ("done", "failed", "expired")  # ledger tombstones: kept tombstone_s (300 s) to catch late messages
 PROXY = {"requests": "kvpush_proxy_requests_total", "shed": "kvpush_proxy_shed_total",
          "rerouted": "kvpush_proxy_rerouted_total"}
 INSTANCE = {"completed": "kvpush_kv_transfers_completed_total", "failures": "kvpush_kv_transfer_failures_total",
@@ -71,15 +73,23 @@ def by_label(families: list[Any], name: str, label: str) -> dict[str, float]:
     return out
 
 
+def decode_urls(families: list[Any]) -> set[str]:
+    """The decode instances a kvpush proxy lists (kvpush_proxy_instance_served{role="decode"})."""
+    return {s.labels["url"] for f in families for s in f.samples
+            if s.name.startswith("kvpush_proxy_instance_served") and s.labels.get("role") == "decode"}
+
+
 def snapshot(proxy: str) -> dict[str, Any]:
-    """Every counter and gauge of interest, the proxy's and summed over its instances."""
+    """Every counter and gauge of interest, the proxy's and summed over its instances (transfers completed:
+    over the decode instances, as P and D each count every transfer)."""
     fams = scrape(proxy)
     urls = instance_urls(fams)
+    decodes = decode_urls(fams)
     inst = [scrape(u) for u in urls]
     out: dict[str, Any] = {k: total(fams, n) for k, n in PROXY.items()}
     out["routes"] = by_label(fams, "kvpush_proxy_kv_mode_chosen_total", "route")
     for key, name in INSTANCE.items():
-        out[key] = sum(total(f, name) for f in inst)
+        out[key] = sum(total(f, name) for u, f in zip(urls, inst, strict=True) if key != "completed" or u in decodes)
     out["failure_reasons"] = {}
     for f in inst:
         for reason, n in by_label(f, "kvpush_kv_transfer_failures_total", "reason").items():
@@ -167,7 +177,9 @@ def row(rate: float, doc: dict, before: dict, after: dict, idle: dict, wall: flo
             "failures": {r: n - before["failure_reasons"].get(r, 0.0) for r, n in after["failure_reasons"].items()
                          if n - before["failure_reasons"].get(r, 0.0)},
             "ignored": delta(after, before, "ignored"), "fallbacks": delta(after, before, "fallbacks"),
-            "records_held_idle": idle["records_by_state"], "quarantined_idle": idle["quarantined"],
+            "records_held_idle": {k: v for k, v in idle["records_by_state"].items() if k not in TERMINAL},
+            "tombstones_idle": sum(v for k, v in idle["records_by_state"].items() if k in TERMINAL),
+            "quarantined_idle": idle["quarantined"],
             "blocks_used_idle": idle["blocks_used"], "valid": em.get("valid"),
             "ttft_p50_emulated_ms": (em.get("emulated_time_ms") or {}).get("median_ttft_ms"),
             "tpot_p50_emulated_ms": (em.get("emulated_time_ms") or {}).get("median_tpot_ms"),
@@ -178,14 +190,14 @@ def table(results: dict) -> str:
     a = results["args"]
     lines = [results["machine"], "", f"`kvpush {' '.join(results['command'])}` (EMULATED: {a['profile']}, x{a['time_scale']:g})",
              "", "| offered req/s | ok/failed | req/s | transfers/s | routes | shed / rerouted | transfer failures | "
-             "ignored | records held idle | quarantined / blocks in use idle | TTFT p50 / TPOT p50 (emulated ms) | valid |",
+             "ignored | live records idle (tombstones) | quarantined / blocks in use idle | TTFT p50 / TPOT p50 (emulated ms) | valid |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results["rows"]:
         routes = ", ".join(f"{k} {v:.0f}" for k, v in r["routes"].items() if v) or "-"
         held = ", ".join(f"{k} {v:.0f}" for k, v in r["records_held_idle"].items() if v) or "0"
         fails = ", ".join(f"{k} {v:.0f}" for k, v in r["failures"].items()) or "0"
         lines.append(f"| {r['rate']:g} | {r['ok']}/{r['failed']} | {r['req_per_s']:.2f} | {r['transfers_per_s']:.2f} | "
-                     f"{routes} | {r['shed']:.0f} / {r['rerouted']:.0f} | {fails} | {r['ignored']:.0f} | {held} | "
+                     f"{routes} | {r['shed']:.0f} / {r['rerouted']:.0f} | {fails} | {r['ignored']:.0f} | {held} ({r.get('tombstones_idle', 0):.0f}) | "
                      f"{r['quarantined_idle']:.0f} / {r['blocks_used_idle']:.0f} | "
                      f"{r['ttft_p50_emulated_ms'] or 0:.1f} / {r['tpot_p50_emulated_ms'] or 0:.2f} | {r['valid']} |")
     return "\n".join(lines) + "\n"

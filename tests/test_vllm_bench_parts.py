@@ -129,7 +129,7 @@ def test_emulate_scale_counts_transfers_routes_and_what_an_idle_deployment_still
             "routes": {"push": 4}, "failure_reasons": {"expired": 1}}
     after = {**base, "requests": 130, "completed": 125, "routes": {"push": 100, "pull": 24}, "instances": 16,
              "failure_reasons": {"expired": 1}}
-    idle = {"records_by_state": {"POSTED": 0}, "quarantined": 0, "blocks_used": 0}
+    idle = {"records_by_state": {"posted": 0, "done": 240}, "quarantined": 0, "blocks_used": 0}
     doc = {"metrics": {"completed": 120, "failed": 0, "request_throughput": 3.9},
            "emulation": {"valid": True, "emulated_time_ms": {"median_ttft_ms": 31.0, "median_tpot_ms": 4.5}}}
     r = scale.row(4.0, doc, base, after, idle, 40.0, 40.0)
@@ -138,4 +138,4 @@ def test_emulate_scale_counts_transfers_routes_and_what_an_idle_deployment_still
     text = scale.table({"machine": "m", "command": ["up", "m"], "rows": [r],
                         "args": {"profile": "qwen3-32b-h200-tp8", "time_scale": 40.0}})
     assert "EMULATED: qwen3-32b-h200-tp8, x40" in text
-    assert "| 4 | 120/0 | 3.90 | 3.00 | push 96, pull 24 | 0 / 0 | 0 | 0 | 0 | 0 / 0 | 31.0 / 4.50 | True |" in text
+    assert "| 4 | 120/0 | 3.90 | 3.00 | push 96, pull 24 | 0 / 0 | 0 | 0 | 0 (240) | 0 / 0 | 31.0 / 4.50 | True |" in text
