@@ -147,14 +147,12 @@ def run(args: argparse.Namespace, model: str, out: Path) -> dict:
                     raise RuntimeError(f"kvpush up did not start; see {out / 'up.log'}")
             for k, rate in enumerate(args.rates):
                 before = wait_idle(proxy, 60)
-                t0 = time.monotonic()
                 doc = bench(proxy, args, rate, args.seed + k, out)
-                wall = time.monotonic() - t0
                 busy = wait_idle(proxy, 120)
                 urllib.request.urlopen(urllib.request.Request(proxy + "/reset_prefix_cache", data=b"", method="POST"),
                                        timeout=30).read()
                 idle = snapshot(proxy)
-                results["rows"].append(row(rate, doc, before, busy, idle, wall, args.time_scale))
+                results["rows"].append(row(rate, doc, before, busy, idle, args.time_scale))
                 print(json.dumps(results["rows"][-1]), flush=True)
         finally:
             up.send_signal(signal.SIGTERM)
@@ -166,19 +164,23 @@ def run(args: argparse.Namespace, model: str, out: Path) -> dict:
     return results
 
 
-def row(rate: float, doc: dict, before: dict, after: dict, idle: dict, wall: float, scale: float) -> dict[str, Any]:
+def row(rate: float, doc: dict, before: dict, after: dict, idle: dict, scale: float) -> dict[str, Any]:
     m, em = doc["metrics"], doc.get("emulation") or {}
     completed = delta(after, before, "completed")
     return {"rate": rate, "ok": m["completed"], "failed": m["failed"], "req_per_s": m["request_throughput"],
             "proxy_requests": delta(after, before, "requests"), "shed": delta(after, before, "shed"),
             "rerouted": delta(after, before, "rerouted"),
             "routes": {r: n - before["routes"].get(r, 0.0) for r, n in after["routes"].items()},
-            "transfers": completed, "transfers_per_s": completed / wall,
+            # per second of the bench's own measured window: the share of the run's requests (warm-ups
+            # included) that moved KV, times its request throughput
+            "transfers": completed, "transfers_per_s": completed / max(delta(after, before, "requests"), 1.0)
+            * m["request_throughput"],
             "failures": {r: n - before["failure_reasons"].get(r, 0.0) for r, n in after["failure_reasons"].items()
                          if n - before["failure_reasons"].get(r, 0.0)},
             "ignored": delta(after, before, "ignored"), "fallbacks": delta(after, before, "fallbacks"),
             "records_held_idle": {k: v for k, v in idle["records_by_state"].items() if k not in TERMINAL},
-            "tombstones_idle": sum(v for k, v in idle["records_by_state"].items() if k in TERMINAL),
+            "tombstones_added": sum(v - before["records_by_state"].get(k, 0.0)
+                                    for k, v in idle["records_by_state"].items() if k in TERMINAL),
             "quarantined_idle": idle["quarantined"],
             "blocks_used_idle": idle["blocks_used"], "valid": em.get("valid"),
             "ttft_p50_emulated_ms": (em.get("emulated_time_ms") or {}).get("median_ttft_ms"),
@@ -190,14 +192,14 @@ def table(results: dict) -> str:
     a = results["args"]
     lines = [results["machine"], "", f"`kvpush {' '.join(results['command'])}` (EMULATED: {a['profile']}, x{a['time_scale']:g})",
              "", "| offered req/s | ok/failed | req/s | transfers/s | routes | shed / rerouted | transfer failures | "
-             "ignored | live records idle (tombstones) | quarantined / blocks in use idle | TTFT p50 / TPOT p50 (emulated ms) | valid |",
+             "ignored | live records idle (tombstones added) | quarantined / blocks in use idle | TTFT p50 / TPOT p50 (emulated ms) | valid |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results["rows"]:
         routes = ", ".join(f"{k} {v:.0f}" for k, v in r["routes"].items() if v) or "-"
         held = ", ".join(f"{k} {v:.0f}" for k, v in r["records_held_idle"].items() if v) or "0"
         fails = ", ".join(f"{k} {v:.0f}" for k, v in r["failures"].items()) or "0"
         lines.append(f"| {r['rate']:g} | {r['ok']}/{r['failed']} | {r['req_per_s']:.2f} | {r['transfers_per_s']:.2f} | "
-                     f"{routes} | {r['shed']:.0f} / {r['rerouted']:.0f} | {fails} | {r['ignored']:.0f} | {held} ({r.get('tombstones_idle', 0):.0f}) | "
+                     f"{routes} | {r['shed']:.0f} / {r['rerouted']:.0f} | {fails} | {r['ignored']:.0f} | {held} (+{r.get('tombstones_added', 0):.0f}) | "
                      f"{r['quarantined_idle']:.0f} / {r['blocks_used_idle']:.0f} | "
                      f"{r['ttft_p50_emulated_ms'] or 0:.1f} / {r['tpot_p50_emulated_ms'] or 0:.2f} | {r['valid']} |")
     return "\n".join(lines) + "\n"

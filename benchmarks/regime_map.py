@@ -86,7 +86,8 @@ def main() -> None:
     ap.add_argument("--serve-args", default="",
                     help="extra `kvpush serve` flags of every instance, e.g. \"--kv-cache-memory-mb 4096\" "
                          "(default: none beyond --torch-threads 1)")
-    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=[*MODES, *FORCED])
+    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=[*MODES, *FORCED],
+                    help=f"deployments to run side by side (default: {' '.join(MODES)})")
     ap.add_argument("--forced-routes", action="store_true",
                     help="also run each fixed route forced on the auto deployment (auto@push, ...): auto vs the "
                          "best of them compares routing on the same processes")
@@ -101,11 +102,12 @@ def main() -> None:
     ap.add_argument("--link-gbps", type=float, default=None, help="also map over a rate-limited link (root)")
     ap.add_argument("--link-only", action="store_true", help="with --link-gbps: only over the rate-limited link")
     ap.add_argument("--rows", nargs="+", default=[], metavar="IN/OUT",
-                    help="only these rows of the grid (prompt/output length, e.g. 2048/256)")
+                    help="only these rows of the grid (prompt/output length, e.g. 2048/256; default: all of the grid's)")
     ap.add_argument("--loads", nargs="+", type=float, default=[], metavar="FRACTION",
-                    help="only these loads of the grid (fractions of capacity, e.g. 0.8)")
+                    help="only these loads of the grid (fractions of capacity, e.g. 0.8; default: all of the grid's)")
     ap.add_argument("--prefixes", nargs="+", default=[], metavar="PREFIX",
-                    help="only these prefixes of the grid (none, sessions; the seed grid: none, held, held-both)")
+                    help="only these prefixes of the grid (none, sessions; the seed grid: none, held, held-both; "
+                         "default: all of the grid's)")
     ap.add_argument("--run-s", type=float, default=None, help="seconds of load per mode and cell")
     ap.add_argument("--repeats", type=int, default=None,
                     help="runs per mode and cell, the order rotating, pooled (default: 2; full grid 1)")
@@ -137,6 +139,8 @@ def main() -> None:
         ap.error("--seed-grid needs --emulate (e.g. --emulate qwen3-32b-h200-tp8 --time-scale 40)")
     if not args.time_scale > 0:
         ap.error("--time-scale must be positive")
+    if args.time_scale != 1.0 and not args.emulate:
+        ap.error("--time-scale needs --emulate (it stretches an emulated clock)")
     assert grid in GRIDS
     rows = row_names(grid)
     if any(r not in rows for r in args.rows):

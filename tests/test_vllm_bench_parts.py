@@ -126,16 +126,18 @@ def test_emulate_scale_counts_transfers_routes_and_what_an_idle_deployment_still
     assert scale.total(fams, "kvpush_kv_transfer_failures_total") == 3
     assert scale.by_label(fams, "kvpush_kv_transfers", "state") == {"DONE": 0, "POSTED": 3}
     base = {"requests": 10, "shed": 0, "rerouted": 0, "completed": 5, "ignored": 0, "fallbacks": 0,
-            "routes": {"push": 4}, "failure_reasons": {"expired": 1}}
+            "routes": {"push": 4}, "failure_reasons": {"expired": 1}, "records_by_state": {"done": 200}}
     after = {**base, "requests": 130, "completed": 125, "routes": {"push": 100, "pull": 24}, "instances": 16,
              "failure_reasons": {"expired": 1}}
     idle = {"records_by_state": {"posted": 0, "done": 240}, "quarantined": 0, "blocks_used": 0}
     doc = {"metrics": {"completed": 120, "failed": 0, "request_throughput": 3.9},
            "emulation": {"valid": True, "emulated_time_ms": {"median_ttft_ms": 31.0, "median_tpot_ms": 4.5}}}
-    r = scale.row(4.0, doc, base, after, idle, 40.0, 40.0)
-    assert r["transfers"] == 120 and r["transfers_per_s"] == 3.0 and r["routes"] == {"push": 96, "pull": 24}
+    r = scale.row(4.0, doc, base, after, idle, 40.0)
+    # every request moved KV: transfers per second of the measured window = its request throughput
+    assert r["transfers"] == 120 and r["transfers_per_s"] == pytest.approx(3.9) and r["routes"] == {"push": 96, "pull": 24}
+    assert r["tombstones_added"] == 40
     assert r["failures"] == {} and r["proxy_requests"] == 120 and r["valid"] is True
     text = scale.table({"machine": "m", "command": ["up", "m"], "rows": [r],
                         "args": {"profile": "qwen3-32b-h200-tp8", "time_scale": 40.0}})
     assert "EMULATED: qwen3-32b-h200-tp8, x40" in text
-    assert "| 4 | 120/0 | 3.90 | 3.00 | push 96, pull 24 | 0 / 0 | 0 | 0 | 0 (240) | 0 / 0 | 31.0 / 4.50 | True |" in text
+    assert "| 4 | 120/0 | 3.90 | 3.90 | push 96, pull 24 | 0 / 0 | 0 | 0 | 0 (+40) | 0 / 0 | 31.0 / 4.50 | True |" in text

@@ -404,8 +404,9 @@ def run_map(cfg: MapConfig) -> Path:
     calibration: dict[str, list[dict]] = {}
     started = time.time()
 
-    def save() -> None:
-        write_map(path, asdict(cfg), started, calibration, results)
+    def save() -> None:  # instance_flags: every instance's extra `kvpush serve` flags, as started
+        write_map(path, asdict(cfg), started, calibration, results,
+                  instance_flags=[*emulated_args(cfg), *cfg.serve_args])
 
     if cfg.full_link or cfg.link_gbps is None:
         map_link(cfg, "full", None, results, save, calibration)
