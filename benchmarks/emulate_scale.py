@@ -3,8 +3,10 @@
     python benchmarks/emulate_scale.py [--prefill 8] [--decode 8] [--kv-mode auto] [--time-scale 40]
         [--profile qwen3-32b-h200-tp8] [--rates 2 4 8] [--num-prompts 120] [--input-len 512] [--output-len 64]
 
-Starts `kvpush up MODEL --emulate PROFILE --time-scale S --prefill P --decode D --kv-mode MODE
---emulated-link off --kv-cache-memory-mb M` (every instance and the proxy on this machine's cores),
+Starts the deployment `kvpush up MODEL --prefill P --decode D --kv-mode MODE --emulated-link off` starts
+(kvpush.launcher.up.Deployment: every instance and the proxy on this machine's cores), each instance with
+`--emulate PROFILE --time-scale S --kv-cache-memory-mb M` and the KV deadline and lease stretched by S
+(bench/emulation.py's emulated_serve_args),
 then per rate runs `kvpush bench` through the proxy and reads every /metrics before and after (the
 proxy's, and each instance it lists):
 
@@ -26,8 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -38,10 +38,12 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvpush.bench.demo import ensure_model
-from kvpush.bench.emulation import instance_urls
+from kvpush.bench.emulation import emulated_serve_args, instance_urls
 from kvpush.bench.machine import machine_line
+from kvpush.bench.suite import reset_prefix_caches
 from kvpush.config import default_model_dir
 from kvpush.launcher.launch import free_port
+from kvpush.launcher.up import Deployment
 
 TERMINAL = ("done", "failed", "expired")  # ledger tombstones: kept tombstone_s (300 s) to catch late messages
 PROXY = {"requests": "kvpush_proxy_requests_total", "shed": "kvpush_proxy_shed_total",
@@ -73,18 +75,12 @@ def by_label(families: list[Any], name: str, label: str) -> dict[str, float]:
     return out
 
 
-def decode_urls(families: list[Any]) -> set[str]:
-    """The decode instances a kvpush proxy lists (kvpush_proxy_instance_served{role="decode"})."""
-    return {s.labels["url"] for f in families for s in f.samples
-            if s.name.startswith("kvpush_proxy_instance_served") and s.labels.get("role") == "decode"}
-
-
 def snapshot(proxy: str) -> dict[str, Any]:
     """Every counter and gauge of interest, the proxy's and summed over its instances (transfers completed:
     over the decode instances, as P and D each count every transfer)."""
     fams = scrape(proxy)
     urls = instance_urls(fams)
-    decodes = decode_urls(fams)
+    decodes = instance_urls(fams, role="decode")
     inst = [scrape(u) for u in urls]
     out: dict[str, Any] = {k: total(fams, n) for k, n in PROXY.items()}
     out["routes"] = by_label(fams, "kvpush_proxy_kv_mode_chosen_total", "route")
@@ -128,39 +124,21 @@ def delta(after: dict[str, Any], before: dict[str, Any], key: str) -> float:
 
 
 def run(args: argparse.Namespace, model: str, out: Path) -> dict:
-    port = free_port()
-    argv = [sys.executable, "-m", "kvpush.cli", "up", model, "--emulate", args.profile, "--time-scale",
-            f"{args.time_scale:g}", "--prefill", str(args.prefill), "--decode", str(args.decode), "--kv-mode",
-            args.kv_mode, "--port", str(port), "--emulated-link", "off", "--kv-cache-memory-mb",
-            str(args.kv_cache_memory_mb), "--kv-timeout-s", f"{30 * args.time_scale:g}",
-            "--kv-lease-s", f"{30 * args.time_scale:g}"]
-    results: dict = {"machine": machine_line(), "args": vars(args), "command": argv[2:], "rows": []}
-    proxy = f"http://127.0.0.1:{port}"
-    with open(out / "up.log", "w") as log:
-        up = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-        try:
-            line = ""
-            while "ready:" not in line:
-                line = up.stdout.readline()  # type: ignore[union-attr]
-                log.write(line)
-                if not line:
-                    raise RuntimeError(f"kvpush up did not start; see {out / 'up.log'}")
-            for k, rate in enumerate(args.rates):
-                before = wait_idle(proxy, 60)
-                doc = bench(proxy, args, rate, args.seed + k, out)
-                busy = wait_idle(proxy, 120)
-                urllib.request.urlopen(urllib.request.Request(proxy + "/reset_prefix_cache", data=b"", method="POST"),
-                                       timeout=30).read()
-                idle = snapshot(proxy)
-                results["rows"].append(row(rate, doc, before, busy, idle, args.time_scale))
-                print(json.dumps(results["rows"][-1]), flush=True)
-        finally:
-            up.send_signal(signal.SIGTERM)
-            try:
-                up.wait(120)
-            except subprocess.TimeoutExpired:
-                os.killpg(up.pid, signal.SIGKILL)
-                up.wait(10)
+    serve = [*emulated_serve_args(args.profile, args.time_scale), "--kv-cache-memory-mb", str(args.kv_cache_memory_mb)]
+    dep = Deployment(model, args.prefill, args.decode, args.kv_mode, free_port(), serve, [], log_dir=str(out / "logs"))
+    # what `kvpush up` would be given to start the same deployment (its --emulated-link off: no netns link)
+    command = ["up", model, "--prefill", str(args.prefill), "--decode", str(args.decode), "--kv-mode", args.kv_mode,
+               "--emulated-link", "off", *serve]
+    results: dict = {"machine": machine_line(), "args": vars(args), "command": command, "rows": []}
+    with dep:
+        for k, rate in enumerate(args.rates):
+            before = wait_idle(dep.url, 60)
+            doc = bench(dep.url, args, rate, args.seed + k, out)
+            busy = wait_idle(dep.url, 120)
+            reset_prefix_caches(dep.url)
+            idle = snapshot(dep.url)
+            results["rows"].append(row(rate, doc, before, busy, idle, args.time_scale))
+            print(json.dumps(results["rows"][-1]), flush=True)
     return results
 
 

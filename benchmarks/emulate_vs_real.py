@@ -29,11 +29,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -45,6 +42,7 @@ from kvpush.bench.machine import machine_line
 from kvpush.bench.stats import bootstrap_ci, clustered_ratio_ci, fmt_ci, p50, p99
 from kvpush.config import default_model_dir
 from kvpush.launcher.launch import ServerProcess, free_port
+from kvpush.launcher.up import Deployment
 
 KINDS = ("real", "emulated")
 TARGET = 0.10  # issue 37: within 10% of the real figures
@@ -64,28 +62,12 @@ def deployment(kind: str, dep: str, args: argparse.Namespace, model: str, logs: 
         finally:
             server.stop()
         return
-    port = free_port()
-    with open(logs / f"{tag}.log", "w") as log:
-        up = subprocess.Popen([sys.executable, "-m", "kvpush.cli", "up", model, "--kv-mode", dep, "--port", str(port),
-                               "--pin", "--emulated-link", "off", *extra], stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, start_new_session=True)
-        try:
-            deadline = time.monotonic() + args.start_timeout_s
-            while time.monotonic() < deadline:
-                line = up.stdout.readline()  # type: ignore[union-attr]
-                log.write(line)
-                if "ready:" in line or not line:
-                    break
-            if "ready:" not in line:
-                raise RuntimeError(f"kvpush up ({tag}) did not start; see {logs / f'{tag}.log'}")
-            yield f"http://127.0.0.1:{port}"
-        finally:
-            up.send_signal(signal.SIGTERM)
-            try:
-                up.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(up.pid, signal.SIGKILL)
-                up.wait(10)
+    # what `kvpush up MODEL --kv-mode DEP --pin --emulated-link off` starts: P on one half of the cores, D on the other
+    up = Deployment(model, 1, 1, dep, free_port(), extra, [], log_dir=str(logs / tag), pin=True)
+    try:
+        yield up.start(args.start_timeout_s).url
+    finally:
+        up.stop()
 
 
 def bench(url: str, args: argparse.Namespace, rate: float, seed: int, out: Path, label: str, dep: str) -> dict:

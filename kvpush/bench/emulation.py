@@ -22,6 +22,8 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvpush.config import TransferConfig
+
 VALID_FRACTION = 0.05  # lateness p99 over the median modelled step
 GAUGES = {"kvpush_emulated_step_lateness_p50_seconds": "lateness_p50_s",
           "kvpush_emulated_step_lateness_p99_seconds": "lateness_p99_s",
@@ -36,10 +38,21 @@ def _metrics(url: str, timeout_s: float) -> list[Any] | None:
         return None
 
 
-def instance_urls(families: list[Any]) -> list[str]:
-    """The instances a kvpush proxy's /metrics lists (none for an instance's)."""
+def instance_urls(families: list[Any], role: str | None = None) -> list[str]:
+    """The instances a kvpush proxy's /metrics lists (none for an instance's); only those of `role`
+    (prefill or decode) where given."""
     return sorted({s.labels["url"] for f in families if f.name == "kvpush_proxy_instance_served"
-                   for s in f.samples if "url" in s.labels})
+                   for s in f.samples if "url" in s.labels and role in (None, s.labels.get("role"))})
+
+
+def emulated_serve_args(profile: str, time_scale: float) -> list[str]:
+    """`kvpush serve` flags of an emulated instance: the profile, the time scale, and the KV deadline and
+    lease (TransferConfig's defaults) stretched by the time scale as every modelled time is: a 30 s
+    deadline stands for 30 s of emulated time (a queue of 1.8 emulated seconds before P would otherwise
+    outlast it at x20). Flags given after these override them."""
+    t = TransferConfig()
+    return ["--emulate", profile, "--time-scale", f"{time_scale:g}", "--kv-timeout-s",
+            f"{t.kv_timeout_s * time_scale:g}", "--kv-lease-s", f"{t.kv_lease_s * time_scale:g}"]
 
 
 def instance_report(url: str, families: list[Any] | None) -> dict[str, Any] | None:

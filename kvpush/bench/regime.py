@@ -32,6 +32,7 @@ import numpy as np
 
 from kvpush.bench import cli as bench_cli
 from kvpush.bench.calibrate import CalibrationConfig, calibrate
+from kvpush.bench.emulation import emulated_serve_args
 from kvpush.bench.modes import base, is_twin, parse, variant_name
 from kvpush.bench.regime_cells import emulation_summary, hold_on_decode
 from kvpush.bench.report import mode_ratio_ci_paired, request_values
@@ -43,7 +44,6 @@ from kvpush.bench.suite import (
     measure_capacity,
     reset_prefix_caches,
 )
-from kvpush.config import TransferConfig
 
 MODES = ("colocated", "pull", "push", "push-layerwise", "auto")
 FIXED = ("pull", "push", "push-layerwise")
@@ -325,15 +325,9 @@ def start_fleet(cfg: MapConfig, link_name: str, link: Any) -> tuple[SuiteConfig,
 
 
 def emulated_args(cfg: MapConfig) -> list[str]:
-    """`kvpush serve` flags of emulated instances: the profile, the time scale, and the KV deadline and lease
-    stretched by the time scale as every modelled time is (a 30 s deadline stands for 30 s of emulated time;
-    a queue of 1.8 emulated seconds before P would otherwise outlast it at x20). cfg.serve_args come after
+    """`kvpush serve` flags of the map's emulated instances (none for real ones); cfg.serve_args come after
     these and override them."""
-    if not cfg.emulate:
-        return []
-    t, s = TransferConfig(), cfg.time_scale
-    return ["--emulate", cfg.emulate, "--time-scale", f"{s:g}", "--kv-timeout-s", f"{t.kv_timeout_s * s:g}",
-            "--kv-lease-s", f"{t.kv_lease_s * s:g}"]
+    return emulated_serve_args(cfg.emulate, cfg.time_scale) if cfg.emulate else []
 
 
 def row_suite(base: SuiteConfig, input_len: int, output_len: int) -> SuiteConfig:
