@@ -136,3 +136,34 @@ def test_row_copy_declines_what_it_cannot_copy():
     assert cache.kv.count_nonzero() == 0
     cache.write(0, rows, k.transpose(1, 2).contiguous().transpose(1, 2), k)  # the torch ops take it
     assert torch.equal(cache.kv.view(-1, 16)[rows[0]], k[0].flatten())
+
+
+@needs_kernel
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(6, 3, 64), (2, 1, 40)])
+def test_write_and_decode_in_one_call_equals_write_then_kernel(heads, kv_heads, head_dim):
+    """DecodeStep (one C call a layer) leaves the cache and returns the output that KVCache.write followed by
+    the kernel give; where q or a K/V row is not contiguous it does nothing and says so (None)."""
+    layout = KVLayout(num_blocks=12, num_layers=2, block_size=4, num_kv_heads=kv_heads, head_dim=head_dim,
+                      dtype=torch.float32)
+    fused, split = KVCache(layout), KVCache(layout)
+    g = torch.Generator().manual_seed(3)
+    fused.kv.normal_(generator=g)
+    split.kv.copy_(fused.kv)
+    lens = torch.tensor([3, 9, 16])  # the new token is each sequence's last
+    table = torch.tensor([[4, 0, 0, 0], [7, 2, 9, 0], [1, 3, 5, 11]])
+    blocks = table[torch.arange(3), (lens - 1) // 4]
+    rows = fused.slot_rows(blocks, (lens - 1) % 4)
+    qkv = torch.randn(3, (heads + 2 * kv_heads) * head_dim, generator=g)  # k and v: views, rows apart
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k, v = q.reshape(3, heads, head_dim).contiguous(), k.view(3, kv_heads, head_dim), v.view(3, kv_heads, head_dim)
+    step = kernel.bind(fused.kv, rows, table, lens)
+    assert step is not None
+    for layer in (1, 0):
+        out = step(q, k, v, layer, head_dim**-0.5)
+        split.write(layer, rows, k, v)
+        assert torch.equal(out, kernel(q, split.kv, table, lens, layer, head_dim**-0.5))
+    assert torch.equal(fused.kv, split.kv)
+    before = fused.kv.clone()
+    assert step(q.transpose(1, 2).contiguous().transpose(1, 2), k, v, 0, 1.0) is None
+    assert step(q, k.transpose(1, 2).contiguous().transpose(1, 2), v, 0, 1.0) is None
+    assert torch.equal(fused.kv, before)

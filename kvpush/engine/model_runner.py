@@ -122,6 +122,10 @@ class ModelRunner:
         if decodes:
             self._decode_metadata(meta, decodes)
         self._prefill_metadata(meta, ordered[len(decodes):], len(decodes))
+        if meta.decode_kernel is not None and not meta.prefills and self.cache.row_writer is not None:
+            assert meta.decode_block_ids is not None and meta.decode_lens is not None
+            meta.decode_step = meta.decode_kernel.bind(self.cache.kv, meta.slot_rows,
+                                                       meta.decode_block_ids.view(len(decodes), -1), meta.decode_lens)
         logit_rows = torch.tensor(rows, dtype=torch.long, device=self.device)
         return ModelInput(ids_t, positions_t, meta, logit_rows, sampled)
 

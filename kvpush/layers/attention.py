@@ -3,7 +3,8 @@
 Per layer: new K/V are written to their slots, then each sequence attends over its context in
 `kv[block_table, layer]`. The batch is ordered decode-first: rows [0, num_decode) are the single-token
 queries of decoding sequences. On CPU in fp32 they attend with one C kernel call that reads their
-K/V in place from the cache (layers/cpu_kernels.py); elsewhere they are batched into one padded SDPA
+K/V in place from the cache (layers/cpu_kernels.py; where every row of the batch decodes, the same C call
+also writes the new K/V rows, one call a layer); elsewhere they are batched into one padded SDPA
 call over their blocks (gathered with one contiguous-row copy per K and V). Longer queries (prefill chunks) follow, one SDPA call each; a chunk
 with no earlier context attends over its fresh K/V without touching the cache.
 
@@ -25,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from kvpush.engine.kv_cache import KVCache
-from kvpush.layers.cpu_kernels import PagedDecode
+from kvpush.layers.cpu_kernels import DecodeStep, PagedDecode
 
 
 @dataclass
@@ -44,7 +45,11 @@ class AttentionMetadata:
     decode_lens: torch.Tensor | None = None  # [Bd] int64 context length, the new token included
     decode_mask: torch.Tensor | None = None  # [Bd, 1, 1, nb * bs] bool, True = attend (gather path only)
     decode_kernel: PagedDecode | None = None  # reads K/V in place (CPU fp32); None: gather + SDPA
+    decode_step: DecodeStep | None = None  # every row decodes on the kernel: one C call a layer writes and attends
     prefills: list[PrefillSeq] = field(default_factory=list)
+    # additive causal masks of prefill pieces, by (query rows, context): built by the first layer that needs
+    # one, reused by the others in this forward (building them per layer was ~3% of a 512-token prefill)
+    masks: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -107,13 +112,18 @@ def paged_attention(
     cache: KVCache,
     scale: float,
 ) -> torch.Tensor:  # [T, H, hd] contiguous
+    if meta.decode_step is not None:
+        o = meta.decode_step(q, k, v, layer, scale)
+        if o is not None:
+            return o
     cache.write(layer, meta.slot_rows, k, v)
     parts = [decode_batch(q, layer, meta, cache, scale)] if meta.num_decode else []
-    parts += [_prefill_one(q, k, v, seq, layer, cache, scale) for seq in meta.prefills]
+    parts += [_prefill_one(q, k, v, seq, layer, cache, scale, meta.masks) for seq in meta.prefills]
     return (parts[0] if len(parts) == 1 else torch.cat(parts)).contiguous()
 
 
-def _prefill_one(q, k, v, seq: PrefillSeq, layer: int, cache: KVCache, scale: float) -> torch.Tensor:
+def _prefill_one(q, k, v, seq: PrefillSeq, layer: int, cache: KVCache, scale: float,
+                 masks: dict[tuple[int, int], torch.Tensor]) -> torch.Tensor:
     """-> [query_len, H, hd]"""
     rows = slice(seq.start, seq.start + seq.query_len)
     qi = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, q, hd]
@@ -127,7 +137,7 @@ def _prefill_one(q, k, v, seq: PrefillSeq, layer: int, cache: KVCache, scale: fl
     if seq.context_len == seq.query_len and not QUERY_SPLIT[0] <= seq.query_len < QUERY_SPLIT[1]:
         o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
     else:
-        o = _causal_by_query_rows(qi, ki, vi, seq.context_len - seq.query_len, scale)
+        o = _causal_by_query_rows(qi, ki, vi, seq.context_len - seq.query_len, scale, masks)
     return o.squeeze(0).transpose(0, 1)
 
 
@@ -140,16 +150,24 @@ QUERY_SPLIT = (256, 768)
 QUERY_ROWS = 64
 
 
-def _causal_by_query_rows(qi, ki, vi, offset: int, scale: float) -> torch.Tensor:
+def _causal_by_query_rows(qi, ki, vi, offset: int, scale: float,
+                          masks: dict[tuple[int, int], torch.Tensor]) -> torch.Tensor:
     """qi: [1, H, q, hd], ki, vi: [1, kvh, offset + q, hd]; query row r sits at position offset + r.
-    -> [1, H, q, hd]"""
+    masks: the forward's masks by (rows, context), filled here. -> [1, H, q, hd]"""
     qlen, parts = qi.shape[2], []
     for s in range(0, qlen, QUERY_ROWS):
         e = min(s + QUERY_ROWS, qlen)
-        mask = _chunk_mask(e - s, offset + e, qi.device)
+        mask = masks.get((e - s, offset + e))
+        if mask is None:
+            mask = masks[(e - s, offset + e)] = _additive(_chunk_mask(e - s, offset + e, qi.device), qi.dtype)
         parts.append(F.scaled_dot_product_attention(qi[:, :, s:e], ki[:, :, : offset + e], vi[:, :, : offset + e],
                                                     attn_mask=mask, scale=scale, enable_gqa=True))
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+
+
+def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """bool mask (True = attend) -> 0 / -inf of `dtype`, what SDPA would otherwise convert it to on every call"""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
 
 
 def _chunk_mask(qlen: int, ctx: int, device: torch.device) -> torch.Tensor:

@@ -44,6 +44,11 @@ class PagedDecode:
         self.fn = lib.kvpush_paged_decode
         self.fn.restype = ctypes.c_int
         self.fn.argtypes = [_PTR] * 5 + [_I64] * 8 + [ctypes.c_float]
+        # absent from a library built from an older source (benchmarks/decode_kernel.py --against REV)
+        self.write_decode = getattr(lib, "kvpush_write_decode", None)
+        if self.write_decode is not None:
+            self.write_decode.restype = ctypes.c_int
+            self.write_decode.argtypes = [_PTR] * 4 + [_I64] * 2 + [_PTR] * 4 + [_I64] * 8 + [ctypes.c_float]
 
     def __call__(self, q: torch.Tensor, kv: torch.Tensor, table: torch.Tensor, lens: torch.Tensor,
                  layer: int, scale: float) -> torch.Tensor:
@@ -52,6 +57,44 @@ class PagedDecode:
         out = torch.empty_like(q)
         rc = self.fn(q.data_ptr(), kv.data_ptr(), table.data_ptr(), lens.data_ptr(), out.data_ptr(),
                      b, h, kvh, d, num_layers, block_size, table.shape[1], layer, scale)
+        if rc != 0:
+            raise MemoryError("paged_decode: no memory for its score rows")
+        return out
+
+
+    def bind(self, kv: torch.Tensor, rows: torch.Tensor, table: torch.Tensor,
+             lens: torch.Tensor) -> DecodeStep | None:
+        """The calls of one forward whose every row decodes (see DecodeStep), or None where the library lacks
+        them."""
+        return DecodeStep(self, kv, rows, table, lens) if self.write_decode is not None else None
+
+
+class DecodeStep:
+    """One forward's decode-only layers, each by one C call that writes the new K/V rows and attends
+    (kvpush_write_decode): built by ModelRunner.prepare, called by layers/attention.py once per layer.
+
+    kv: the cache [N, L, 2, bs, kvh, hd] fp32; rows: [2B] int64 (KVCache.slot_rows); table: [B, nb] int64;
+    lens: [B] int64. What does not change between layers is converted once, here."""
+
+    def __init__(self, kernel: PagedDecode, kv: torch.Tensor, rows: torch.Tensor, table: torch.Tensor,
+                 lens: torch.Tensor) -> None:
+        _, num_layers, _, block_size, kvh, d = kv.shape
+        assert kernel.write_decode is not None
+        self.fn = kernel.write_decode
+        self.kv, self.rows, self.table, self.lens = kv, rows, table, lens  # held: the pointers below are theirs
+        self.ptrs = (kv.data_ptr(), rows.data_ptr())
+        self.tail = (table.data_ptr(), lens.data_ptr())
+        self.batch, self.kvh, self.head_dim = table.shape[0], kvh, d
+        self.sizes = (kvh, d, num_layers, block_size, table.shape[1])
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float) -> torch.Tensor | None:
+        """q: [B, H, hd], k, v: [B, kvh, hd] fp32 -> [B, H, hd], or None (nothing done) where q is not
+        contiguous or a K or V row is not (the caller takes the general path)."""
+        if not (q.is_contiguous() and _rows_contiguous(k) and _rows_contiguous(v)):
+            return None
+        out = torch.empty_like(q)
+        rc = self.fn(*self.ptrs, k.data_ptr(), v.data_ptr(), k.stride(0) * 4, v.stride(0) * 4, q.data_ptr(), *self.tail,
+                     out.data_ptr(), self.batch, q.shape[1], *self.sizes, layer, scale)
         if rc != 0:
             raise MemoryError("paged_decode: no memory for its score rows")
         return out

@@ -7,15 +7,17 @@
    out:   [B, H, D]
 
    Query head h attends with KV head h / (H / KVH), as torch's scaled_dot_product_attention with
-   enable_gqa. Per sequence and KV head the addresses of its context's K and V rows are computed once;
-   then per query head the scores (one dot product a K row), a softmax, and the weighted sum of V
-   rows, accumulated in registers 32 floats at a time, so the output is written once. The previous
-   version went token by token and loaded and stored every head's output row for every token.
-   `python benchmarks/decode_kernel.py --against 2e3cb1d` (that version; rows out of L2, as in a real
-   step; 6 heads over 3 of 64, block 16; Intel fam 6 model 167, 2026-12-07): new / old 0.85
-   [0.82, 0.87] at 16 sequences x 96 tokens, 0.88 at 16 x 500, 0.80 at 64 x 200, 0.93 at one sequence
-   of 100. Head sizes 64 and 128 keep the query in registers; sizes that are not a multiple of 8 (32
-   for the sums) take plain loops.
+   enable_gqa. Per sequence, one pass over its context's K rows (each token's row of every KV head read
+   once, in cache order, a few rows prefetched ahead) scores every query head; a softmax per head; then
+   one pass over the V rows accumulates every head's output. Vectors are 512-bit where the CPU has
+   AVX-512, else 256-bit. A decode step is bound by memory here, not arithmetic: the rows come from
+   beyond L2, and reading them once, in order, is what counts.
+   `python benchmarks/decode_kernel.py --against 6ce5721 --repeats 60` (the previous version: a pass
+   over the context per KV head, 256-bit; 6 heads over 3 of 64, block 16; Intel fam 6 model 167,
+   2026-12-07): new / old 0.95 [0.92, 0.96] at 16 sequences x 96 tokens, 0.89 [0.86, 0.91] at 16 x 500,
+   0.91 [0.89, 0.92] at 64 x 200, cannot tell at one sequence of 100 (0.97 [0.90, 1.06]). Grouping the
+   query heads of a KV head over that version's layout instead measured no better (1.04 at 16 x 96).
+   Head sizes that are not a multiple of the vector width take plain loops.
    Built by layers/cpu_kernels.py. */
 
 #include <math.h>
@@ -23,62 +25,33 @@
 #include <stdlib.h>
 #include <string.h>
 
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v8u __attribute__((vector_size(32), aligned(4), may_alias));  /* unaligned access */
-typedef int i8 __attribute__((vector_size(32)));
+#if defined(__AVX512F__)
+#define W 16 /* floats a vector */
+typedef float vf __attribute__((vector_size(64)));
+typedef float vfu __attribute__((vector_size(64), aligned(4), may_alias)); /* unaligned access */
+typedef int vi __attribute__((vector_size(64)));
+#else
+#define W 8
+typedef float vf __attribute__((vector_size(32)));
+typedef float vfu __attribute__((vector_size(32), aligned(4), may_alias));
+typedef int vi __attribute__((vector_size(32)));
+#endif
 
-static inline v8 load8(const float *p) { return *(const v8u *)p; }
-static inline void store8(float *p, v8 v) { *(v8u *)p = v; }
+static inline vf loadv(const float *p) { return *(const vfu *)p; }
+static inline void storev(float *p, vf v) { *(vfu *)p = v; }
 
-static inline float hsum8(v8 v) {
-    v += __builtin_shuffle(v, (i8){4, 5, 6, 7, 0, 1, 2, 3});
-    v += __builtin_shuffle(v, (i8){2, 3, 0, 1, 6, 7, 4, 5});
-    v += __builtin_shuffle(v, (i8){1, 0, 3, 2, 5, 4, 7, 6});
+static inline float hsum(vf v) {
+#if W == 16
+    v += __builtin_shuffle(v, (vi){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+    v += __builtin_shuffle(v, (vi){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
+    v += __builtin_shuffle(v, (vi){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
+    v += __builtin_shuffle(v, (vi){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+#else
+    v += __builtin_shuffle(v, (vi){4, 5, 6, 7, 0, 1, 2, 3});
+    v += __builtin_shuffle(v, (vi){2, 3, 0, 1, 6, 7, 4, 5});
+    v += __builtin_shuffle(v, (vi){1, 0, 3, 2, 5, 4, 7, 6});
+#endif
     return v[0];
-}
-
-static float dot(const float *restrict a, const float *restrict b, int64_t n) {
-    if (n % 8 == 0) {
-        v8 acc0 = {0}, acc1 = {0};
-        int64_t d = 0;
-        for (; d + 16 <= n; d += 16) {
-            acc0 += load8(a + d) * load8(b + d);
-            acc1 += load8(a + d + 8) * load8(b + d + 8);
-        }
-        if (d < n) acc0 += load8(a + d) * load8(b + d);
-        return hsum8(acc0 + acc1);
-    }
-    float acc = 0.0f;
-    for (int64_t d = 0; d < n; d++) acc += a[d] * b[d];
-    return acc;
-}
-
-/* s[j] = q . rows[j] * scale for head size 8 * n8 (a constant where inlined: q stays in registers) */
-static inline __attribute__((always_inline)) void scores_fixed(float *restrict s, const float *restrict qh,
-                                                               const float *const *rows, int64_t len, float scale,
-                                                               const int n8) {
-    v8 qv[16];
-    for (int i = 0; i < n8; i++) qv[i] = load8(qh + 8 * i);
-    for (int64_t j = 0; j < len; j++) {
-        const float *k = rows[j];
-        v8 a = {0}, b = {0};
-        for (int i = 0; i < n8; i += 2) {
-            a += qv[i] * load8(k + 8 * i);
-            b += qv[i + 1] * load8(k + 8 * i + 8);
-        }
-        s[j] = hsum8(a + b) * scale;
-    }
-}
-
-static void scores(float *restrict s, const float *restrict qh, const float *const *rows, int64_t len, int64_t D,
-                   float scale) {
-    if (D == 64) {
-        scores_fixed(s, qh, rows, len, scale, 8);
-    } else if (D == 128) {
-        scores_fixed(s, qh, rows, len, scale, 16);
-    } else {
-        for (int64_t j = 0; j < len; j++) s[j] = dot(qh, rows[j], D) * scale;
-    }
 }
 
 /* p[0..n) = exp(p - max) / their sum */
@@ -96,30 +69,36 @@ static void softmax(float *restrict p, int64_t n) {
     for (int64_t j = 0; j < n; j++) p[j] *= inv;
 }
 
-/* o[0..D) = sum_j p[j] * rows[j][0..D) */
-static void weighted_sum(float *restrict o, const float *restrict p, const float *const *rows, int64_t len,
-                         int64_t D) {
-    int64_t c = 0;
-    for (; c + 32 <= D; c += 32) {
-        v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-        for (int64_t j = 0; j < len; j++) {
-            const float *v = rows[j] + c;
-            const float w = p[j];
-            a0 += w * load8(v);
-            a1 += w * load8(v + 8);
-            a2 += w * load8(v + 16);
-            a3 += w * load8(v + 24);
+/* a . b over n floats (n a multiple of W on the vector path) */
+static inline float dot(const float *restrict a, const float *restrict b, int64_t n) {
+    if (n % W == 0) {
+        vf acc0 = {0}, acc1 = {0};
+        int64_t d = 0;
+        for (; d + 2 * W <= n; d += 2 * W) {
+            acc0 += loadv(a + d) * loadv(b + d);
+            acc1 += loadv(a + d + W) * loadv(b + d + W);
         }
-        store8(o + c, a0);
-        store8(o + c + 8, a1);
-        store8(o + c + 16, a2);
-        store8(o + c + 24, a3);
+        if (d < n) acc0 += loadv(a + d) * loadv(b + d);
+        return hsum(acc0 + acc1);
     }
-    for (; c < D; c++) {
-        float acc = 0.0f;
-        for (int64_t j = 0; j < len; j++) acc += p[j] * rows[j][c];
-        o[c] = acc;
+    float acc = 0.0f;
+    for (int64_t d = 0; d < n; d++) acc += a[d] * b[d];
+    return acc;
+}
+
+/* o[0..n) += w * x[0..n) */
+static inline void axpy(float *restrict o, float w, const float *restrict x, int64_t n) {
+    if (n % W == 0) {
+        for (int64_t d = 0; d < n; d += W) storev(o + d, loadv(o + d) + w * loadv(x + d));
+        return;
     }
+    for (int64_t d = 0; d < n; d++) o[d] += w * x[d];
+}
+
+#define AHEAD 16 /* rows prefetched ahead */
+
+static inline void prefetch_row(const float *r, int64_t floats) {
+    for (int64_t f = 0; f < floats; f += 16) __builtin_prefetch(r + f, 0, 3);
 }
 
 /* Returns 0, or -1 if scratch memory could not be allocated. */
@@ -132,29 +111,31 @@ int kvpush_paged_decode(const float *q, const float *kv, const int64_t *table, c
     const int64_t layer_off = layer * 2 * block_size * row;
     int64_t max_len = 1;
     for (int64_t b = 0; b < B; b++) max_len = lens[b] > max_len ? lens[b] : max_len;
-    float *p = malloc(sizeof(float) * (size_t)max_len);  /* one head's scores, then its weights */
-    const float **krows = malloc(sizeof(float *) * (size_t)max_len);  /* this head's K row of each token */
-    const float **vrows = malloc(sizeof(float *) * (size_t)max_len);
-    const int rc = p && krows && vrows ? 0 : -1;
+    float *p = malloc(sizeof(float) * (size_t)(max_len * H));  /* every head's scores, then its weights */
+    const float **krows = malloc(sizeof(float *) * (size_t)(max_len + AHEAD));  /* token j's K row, all heads */
+    const int rc = p && krows ? 0 : -1;
     for (int64_t b = 0; b < B && rc == 0; b++) {
-        const int64_t len = lens[b];
-        const int64_t *blocks = table + b * nb;
-        for (int64_t h = 0; h < H; h++) {
-            const int64_t head = (h / G) * D;
-            if (h % G == 0)
-                for (int64_t j = 0; j < len; j++) {
-                    krows[j] = kv + blocks[j / block_size] * block + layer_off + (j % block_size) * row + head;
-                    vrows[j] = krows[j] + block_size * row;
-                }
-            const float *qh = q + (b * H + h) * D;
-            scores(p, qh, krows, len, D, scale);
-            softmax(p, len);
-            weighted_sum(out + (b * H + h) * D, p, vrows, len, D);
+        const int64_t len = lens[b], *blocks = table + b * nb;
+        const float *qb = q + b * H * D;
+        float *ob = out + b * H * D;
+        for (int64_t i = 0; i < H * D; i++) ob[i] = 0.0f;
+        if (len < 1) continue; /* never from the engine: the query's own token is in its context */
+        for (int64_t j = 0; j < len; j++)
+            krows[j] = kv + blocks[j / block_size] * block + layer_off + (j % block_size) * row;
+        for (int64_t j = len; j < len + AHEAD; j++) krows[j] = krows[len - 1];
+        for (int64_t j = 0; j < len; j++) {
+            prefetch_row(krows[j + AHEAD], row);
+            for (int64_t h = 0; h < H; h++) p[h * max_len + j] = dot(qb + h * D, krows[j] + (h / G) * D, D) * scale;
+        }
+        for (int64_t h = 0; h < H; h++) softmax(p + h * max_len, len);
+        const int64_t v_off = block_size * row;
+        for (int64_t j = 0; j < len; j++) {
+            prefetch_row(krows[j + AHEAD] + v_off, row);
+            for (int64_t h = 0; h < H; h++) axpy(ob + h * D, p[h * max_len + j], krows[j] + v_off + (h / G) * D, D);
         }
     }
     free(p);
     free(krows);
-    free(vrows);
     return rc;
 }
 
@@ -167,4 +148,16 @@ void kvpush_write_rows(char *kv, const int64_t *rows, const char *k, const char 
         memcpy(kv + (rows[i] + layer_rows) * row_bytes, k + i * k_stride, (size_t)row_bytes);
         memcpy(kv + (rows[T + i] + layer_rows) * row_bytes, v + i * v_stride, (size_t)row_bytes);
     }
+}
+
+/* One decode step of one layer where every row of the batch is a decode row: its K and V rows into the cache
+   (kvpush_write_rows), then its attention (kvpush_paged_decode). One call instead of two saves a Python
+   round trip per layer. Returns what kvpush_paged_decode returns. */
+int kvpush_write_decode(float *kv, const int64_t *rows, const char *k, const char *v, int64_t k_stride,
+                        int64_t v_stride, const float *q, const int64_t *table, const int64_t *lens, float *out,
+                        int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t num_layers, int64_t block_size,
+                        int64_t nb, int64_t layer, float scale) {
+    kvpush_write_rows((char *)kv, rows, k, v, B, KVH * D * (int64_t)sizeof(float), k_stride, v_stride,
+                      layer * 2 * block_size);
+    return kvpush_paged_decode(q, kv, table, lens, out, B, H, KVH, D, num_layers, block_size, nb, layer, scale);
 }
