@@ -292,6 +292,9 @@ class TransferConfig:
     # D keeps the blocks of a failed transfer out of use this long past its deadline unless the
     # peer confirms nothing is in flight (it only has to cover how long a posted WRITE can take).
     kv_quarantine_s: float = 10.0
+    # P and D keep a finished transfer's record this long, so that a late message about it is known as
+    # stale, not unknown (transfer/ledger.py).
+    kv_tombstone_s: float = 300.0
     on_kv_failure: OnKVFailure = OnKVFailure.ERROR
     # P: whole-request WRITEs in flight to one D at a time (0: no limit). Concurrent WRITEs over one
     # link share it and end together; one at a time, the first ends as soon as if it were alone.
@@ -304,6 +307,8 @@ class TransferConfig:
             raise ValueError("--kv-lease-s and --kv-timeout-s must be positive")
         if self.kv_quarantine_s < 0:
             raise ValueError("--kv-quarantine-s must be >= 0")
+        if self.kv_tombstone_s < 0:
+            raise ValueError("--kv-tombstone-s must be >= 0")
         if self.kv_writes_per_peer < 0:
             raise ValueError("--kv-writes-per-peer must be >= 0")
         if not 0 <= self.kv_port < 65536:

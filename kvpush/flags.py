@@ -251,6 +251,8 @@ def add_transfer_arguments(p: argparse.ArgumentParser) -> None:
                    help="decode: how long D waits for a request's KV before --on-kv-failure")
     g.add_argument("--kv-quarantine-s", type=float, default=_default(TransferConfig, "kv_quarantine_s"),
                    help="decode: a failed transfer's blocks stay unused this long unless P confirms nothing is in flight")
+    g.add_argument("--kv-tombstone-s", type=float, default=_default(TransferConfig, "kv_tombstone_s"),
+                   help="how long a finished transfer's record is kept, so a late message about it is known as stale")
     g.add_argument("--kv-writes-per-peer", type=int, default=_default(TransferConfig, "kv_writes_per_peer"),
                    help="prefill: whole-request WRITEs in flight to one decode instance at a time, the rest "
                         "queued in order (0: no limit)")
@@ -266,6 +268,7 @@ def transfer_config_from_args(args: argparse.Namespace) -> TransferConfig:
     try:
         return TransferConfig(kv_mode=KVMode(args.kv_mode), kv_port=args.kv_port, kv_host=args.kv_host,
                               kv_advertise_host=args.kv_advertise_host, kv_quarantine_s=args.kv_quarantine_s,
+                              kv_tombstone_s=args.kv_tombstone_s,
                               kv_secret=args.kv_secret, kv_lease_s=args.kv_lease_s, kv_timeout_s=args.kv_timeout_s,
                               on_kv_failure=OnKVFailure(args.on_kv_failure), faults=faults,
                               kv_writes_per_peer=args.kv_writes_per_peer)

@@ -481,9 +481,11 @@ def test_proxy_args_reach_every_deployments_proxy_and_emulation_every_instance(t
     monkeypatch.setattr(regime, "Fleet", Started)
     start_fleet(MapConfig(model="m", emulate="qwen3-32b-h200-tp8", time_scale=40, result_dir=str(tmp_path),
                           proxy_args=["--first-token", "recompute"]), "full", None)
-    # the KV deadline and lease stretched by the time scale (30 s each by default); --serve-args after them win
+    # the KV deadline and lease (30 s each by default), D's quarantine (10 s) and the ledger's tombstones (300 s)
+    # stretched by the time scale; --serve-args after them win
     assert started[0].serve_args == ["--emulate", "qwen3-32b-h200-tp8", "--time-scale", "40", "--kv-timeout-s", "1200",
-                                     "--kv-lease-s", "1200", "--torch-threads", "1"]
+                                     "--kv-lease-s", "1200", "--kv-quarantine-s", "400", "--kv-tombstone-s", "12000",
+                                     "--torch-threads", "1"]
     assert started[0].proxy_args == ["--first-token", "recompute"]
 
 

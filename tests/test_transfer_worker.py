@@ -779,3 +779,21 @@ def test_in_process_handshake_then_push(cluster, monkeypatch):
     assert calls == [(P_ADDR.host, P_ADDR.port)]
     assert p.worker.peers.names == {D_ENGINE: D_AGENT} and d.worker.peers.names == {P_ENGINE: P_AGENT}
     assert np.array_equal(d.kv[list(D_BLOCKS)].numpy(), p.kv[list(P_BLOCKS)].numpy())
+
+
+def test_kv_tombstone_s_reaches_the_ledger_from_the_command_line(tmp_path):
+    """--kv-tombstone-s sets how long a finished transfer's record stays (the emulated instances stretch it by
+    their time scale); a negative value is a CLI error naming the flag."""
+    from kvpush.cli import build_parser
+    from kvpush.flags import transfer_config_from_args
+
+    args = build_parser().parse_args(["serve", str(tmp_path), "--kv-tombstone-s", "7.5"])
+    config = transfer_config_from_args(args)
+    assert config.kv_tombstone_s == 7.5
+    agent = FakeFabric(seed=1).agent("a")
+    agent.register_kv(torch.zeros(NB, NL, 2, BS, KVH, HD))
+    thread = TransferThread(Role.DECODE, agent, agent.handshake_info("e", Role.DECODE), None, Recorder(), BS,
+                            tombstone_s=config.kv_tombstone_s)
+    assert thread.ledger.tombstone_s == 7.5
+    with pytest.raises(SystemExit, match="--kv-tombstone-s must be >= 0"):
+        transfer_config_from_args(build_parser().parse_args(["serve", str(tmp_path), "--kv-tombstone-s", "-1"]))

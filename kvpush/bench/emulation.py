@@ -46,13 +46,16 @@ def instance_urls(families: list[Any], role: str | None = None) -> list[str]:
 
 
 def emulated_serve_args(profile: str, time_scale: float) -> list[str]:
-    """`kvpush serve` flags of an emulated instance: the profile, the time scale, and the KV deadline and
-    lease (TransferConfig's defaults) stretched by the time scale as every modelled time is: a 30 s
-    deadline stands for 30 s of emulated time (a queue of 1.8 emulated seconds before P would otherwise
-    outlast it at x20). Flags given after these override them."""
+    """`kvpush serve` flags of an emulated instance: the profile, the time scale, and the transfer times
+    (TransferConfig's defaults: the KV deadline and lease, D's quarantine, the ledger's tombstones)
+    stretched by the time scale as every modelled time is: a 30 s deadline stands for 30 s of emulated
+    time (a queue of 1.8 emulated seconds before P would otherwise outlast it at x20). Flags given after
+    these override them."""
     t = TransferConfig()
-    return ["--emulate", profile, "--time-scale", f"{time_scale:g}", "--kv-timeout-s",
-            f"{t.kv_timeout_s * time_scale:g}", "--kv-lease-s", f"{t.kv_lease_s * time_scale:g}"]
+    stretched = {"--kv-timeout-s": t.kv_timeout_s, "--kv-lease-s": t.kv_lease_s,
+                 "--kv-quarantine-s": t.kv_quarantine_s, "--kv-tombstone-s": t.kv_tombstone_s}
+    return ["--emulate", profile, "--time-scale", f"{time_scale:g}",
+            *(x for flag, s in stretched.items() for x in (flag, f"{s * time_scale:g}"))]
 
 
 def instance_report(url: str, families: list[Any] | None) -> dict[str, Any] | None:

@@ -91,7 +91,8 @@ class TransferRuntime:
             doorbell=f"{self._advertised_host()}:{self.doorbell.port}")
         self.thread = TransferThread(role, self.agent, self.info, config.kv_secret, self._emit, layout.block_size,
                                      faults=config.faults, layerwise=_layerwise(config.kv_mode),
-                                     quarantine_s=config.kv_quarantine_s, doorbell=self.doorbell,
+                                     quarantine_s=config.kv_quarantine_s, tombstone_s=config.kv_tombstone_s,
+                                     doorbell=self.doorbell,
                                      writes_per_peer=config.kv_writes_per_peer)
 
     @property

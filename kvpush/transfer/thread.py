@@ -132,7 +132,7 @@ class TransferThread(threading.Thread):
     def __init__(self, role: Role, agent: KVAgent, info: HandshakeInfo, secret: str | None,
                  emit: Callable[[Event], None], block_size: int, *, handshake_timeout_s: float = 5.0,
                  faults: Faults | None = None, layerwise: bool | None = False, quarantine_s: float | None = None,
-                 doorbell: Doorbell | None = None, writes_per_peer: int = 1) -> None:
+                 tombstone_s: float | None = None, doorbell: Doorbell | None = None, writes_per_peer: int = 1) -> None:
         super().__init__(name=f"kvpush-transfer-{role.value}", daemon=True)
         self.agent = agent
         self.doorbell = doorbell or Doorbell()
@@ -144,6 +144,8 @@ class TransferThread(threading.Thread):
         self.ledger = TransferLedger(role)
         if quarantine_s is not None:
             self.ledger.quarantine_s = quarantine_s
+        if tombstone_s is not None:
+            self.ledger.tombstone_s = tombstone_s
         self.metrics = TransferMetrics()
         self.peers = Peers(agent, info, secret, self.metrics, faults or Faults(), handshake_timeout_s,
                            self.doorbell)
