@@ -181,3 +181,17 @@ def test_the_flag(monkeypatch, capsys):
     assert build_engine_config("m", decode_attention="sdpa").decode_attention is DecodeAttention.SDPA
     with pytest.raises(ValueError, match="decode attention 'flash': expected one of auto, kernel, sdpa"):
         build_engine_config("m", decode_attention="flash")
+
+
+def test_a_changed_kernel_is_measured_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """The cached choice is keyed by the kernel's source: after the kernel changes, start-up measures again."""
+    from kvpush.layers import cpu_kernels
+
+    shapes = ac.Shapes(6, 3, 64, 16)
+    before = ac.cache_key({"model name": "x"}, shapes, torch.float32, 1)
+    changed = tmp_path / "paged_decode.c"
+    changed.write_text(cpu_kernels.SOURCE.read_text() + "\n/* changed */\n")
+    monkeypatch.setattr(cpu_kernels, "SOURCE", changed)
+    after = ac.cache_key({"model name": "x"}, shapes, torch.float32, 1)
+    assert before["kernel"] != after["kernel"] and {k: v for k, v in before.items() if k != "kernel"} == \
+        {k: v for k, v in after.items() if k != "kernel"}

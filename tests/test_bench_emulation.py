@@ -11,7 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from kvpush.bench.compare import emulated
-from kvpush.bench.emulation import add_emulated_time, describe, emulation_report
+from kvpush.bench.emulation import add_emulated_time, describe, emulation_report, reset_windows
 from kvpush.launcher.launch import free_port
 
 REAL = "kvpush_requests_total 3\n"
@@ -32,6 +32,7 @@ def proxy_page(urls: list[str]) -> str:
 def pages():
     """url -> the /metrics text it serves (set by the test); a missing one answers 500."""
     served: dict[str, str] = {}
+    answers: dict[str, tuple[int, str]] = {}  # url -> what a POST gets (status, body); missing: 404 with no body
     servers = []
 
     def serve() -> str:
@@ -44,6 +45,12 @@ def pages():
                 self.end_headers()
                 self.wfile.write((text or "").encode())
 
+            def do_POST(self) -> None:
+                status, body = answers.get(f"http://127.0.0.1:{port}", (404, ""))
+                self.send_response(status)
+                self.end_headers()
+                self.wfile.write(body.encode())
+
             def log_message(self, *args) -> None:
                 pass
 
@@ -52,6 +59,7 @@ def pages():
         servers.append(server)
         return f"http://127.0.0.1:{port}"
 
+    serve.answers = answers  # type: ignore[attr-defined]
     yield served, serve
     for server in servers:
         server.shutdown()
@@ -108,3 +116,21 @@ def test_compare_names_emulated_runs():
     assert emulated([real, real]) == []
     [line] = emulated([real, ok, bad])
     assert line.startswith("**Emulated** (qwen3-32b-h200-tp8; emulated time") and "2 of 3 runs, 1 of them invalid" in line
+
+
+def test_a_window_not_reset_is_named_in_the_report(pages):
+    """reset_windows (before a run) asks the emulated instances only, and returns those that did not answer
+    200; the report names them, and its summary says so."""
+    served, serve = pages
+    proxy, p, d, real = serve(), serve(), serve(), serve()
+    served.update({proxy: proxy_page([p, d, real]), p: emulated_page(0.0001, 0.01), d: emulated_page(0.0001, 0.01),
+                   real: REAL})
+    serve.answers.update({p: (200, '{"reset": true}'), d: (200, '{"reset": true}')})  # `real` would answer 404
+    assert reset_windows(proxy) == []
+    serve.answers[d] = (404, "")  # an emulated instance from before the endpoint existed
+    not_reset = reset_windows(proxy)
+    assert not_reset == [d]
+    report = emulation_report(proxy, window_not_reset=not_reset)
+    assert report is not None and report["window_not_reset"] == [d]
+    assert f"window not reset (may span earlier runs) on {d}" in describe(report)
+    assert (emulation_report(proxy) or {})["window_not_reset"] == []

@@ -15,6 +15,7 @@ from test_engine import ATOL, generate, ours_logits, prompts
 from kvpush.config import CacheConfig, CompileMode, EngineConfig, ModelConfig, SchedulerConfig
 from kvpush.engine.engine import LLMEngine
 from kvpush.engine.sampling_params import SamplingParams
+from kvpush.layers.cpu_kernels import paged_decode_kernel
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 LONG = 138  # prompts long enough to be prefilled in several chunks next to decode rows
@@ -149,3 +150,24 @@ def test_compiled_server_does_not_recompile(server_factory, tiny_model):
                                 {"model": tiny_model, "prompt": p, "max_tokens": 4, "temperature": 0})
             assert status == 200, body
     assert metrics(server.url)["kvpush_compiled_graphs"] == before
+
+
+@pytest.mark.skipif(paged_decode_kernel() is None, reason="no C compiler built the decode kernel here")
+@pytest.mark.parametrize("mode", ["compiled", "eager"])
+def test_decode_only_steps_take_the_one_call_path(compiled, mode, monkeypatch):
+    """A forward whose every row decodes writes K/V and attends in one C call a layer (cpu_kernels.DecodeStep),
+    compiled and eager: the graph hands the op what the call takes, so it never falls back."""
+    from kvpush.layers import cpu_kernels
+
+    eng = compiled if mode == "compiled" else LLMEngine(dataclasses.replace(compiled.config, compile=CompileMode.OFF))
+    calls: list[bool] = []
+    inner = cpu_kernels.DecodeStep.__call__
+
+    def counted(self, *args):
+        out = inner(self, *args)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(cpu_kernels.DecodeStep, "__call__", counted)
+    generate(eng, prompts(eng.arch.vocab_size, (3, 9)), GREEDY)
+    assert calls and all(calls), f"{calls.count(False)} of {len(calls)} layer calls fell back"

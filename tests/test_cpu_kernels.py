@@ -166,4 +166,6 @@ def test_write_and_decode_in_one_call_equals_write_then_kernel(heads, kv_heads, 
     before = fused.kv.clone()
     assert step(q.transpose(1, 2).contiguous().transpose(1, 2), k, v, 0, 1.0) is None
     assert step(q, k.transpose(1, 2).contiguous().transpose(1, 2), v, 0, 1.0) is None
+    assert step(q[:2], k[:2], v[:2], 0, 1.0) is None  # not the batch it was bound to
+    assert step(q.double(), k.double(), v.double(), 0, 1.0) is None
     assert torch.equal(fused.kv, before)

@@ -6,12 +6,14 @@ and names its profile. A tiny time scale keeps the modelled steps short; nothing
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
 
 import pytest
 from kvpush_testing import BS, Cluster, metric, prompt_of
 
+from kvpush.bench.emulation import reset_windows
 from kvpush.launcher.launch import ServerProcess, free_port
 
 pytestmark = pytest.mark.integration
@@ -90,6 +92,44 @@ def test_metrics_say_emulated(world):
         assert f'kvpush_emulated{{profile="{PROFILE}",time_scale="0.01"}} 1.0' in page, url
         assert f'kvpush_emulated_step_lateness_seconds_count{{profile="{PROFILE}"}}' in page
     assert metric(colocated.url, "kvpush_emulated_steps_total") > 0
+
+
+def reset_window(url: str) -> tuple[int, dict]:
+    req = urllib.request.Request(url + "/emulation/reset_window", data=b"", method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_a_run_can_start_its_lateness_window_afresh(world, tiny_model, tmp_path):
+    """POST /emulation/reset_window empties the window /metrics' percentiles cover (what `kvpush bench` sends
+    before each run), not the life-long counts; `kvpush bench` reports an emulated run's verdict over it.
+    A real instance answers 404 not_emulated."""
+    colocated, _, _ = world
+    text(colocated.url, prompt_of(7, seed=11))
+    steps = metric(colocated.url, "kvpush_emulated_steps_total")
+    assert metric(colocated.url, "kvpush_emulated_window_steps") > 0
+    assert reset_window(colocated.url) == (200, {"reset": True, "profile": PROFILE})
+    deadline = time.monotonic() + 30
+    while metric(colocated.url, "kvpush_emulated_window_steps") != 0:
+        assert time.monotonic() < deadline, "the window was not reset"
+        time.sleep(0.05)
+    assert metric(colocated.url, "kvpush_emulated_steps_total") == steps
+    text(colocated.url, prompt_of(3, seed=12))
+    since = metric(colocated.url, "kvpush_emulated_steps_total") - steps
+    assert since > 0 and metric(colocated.url, "kvpush_emulated_window_steps") == since
+    assert reset_windows(colocated.url) == []
+    real = ServerProcess(["serve", tiny_model, "--port", str(free_port()), "--compile", "off"],
+                         log_path=str(tmp_path / "real.log")).start()
+    try:
+        real.wait_healthy(120)
+        status, body = reset_window(real.url)
+        assert status == 404 and body["error"]["code"] == "not_emulated"
+        assert reset_windows(real.url) == []  # not asked: its /metrics says it is real
+    finally:
+        real.stop()
 
 
 def test_a_corrupted_transfer_changes_the_output(tiny_model, tmp_path, world):

@@ -108,3 +108,17 @@ def test_an_emulated_instance_never_pairs_with_a_real_one(llm, tiny_model):
     profile = load_profile("qwen3-32b-h200-tp8")
     assert origin == f"emulated:qwen3-32b-h200-tp8:{profile.fingerprint}:x{SCALE:g}"
     assert LLM(tiny_model, block_size=8, num_blocks=16).engine.kv_origin == ""
+
+
+def test_resetting_the_window_keeps_the_life_long_counts():
+    log = LatenessLog("p", 1.0)
+    for late in (0.5, 0.4):
+        log.record(0.01, late)
+    assert log.stats().window_steps == 2 and log.stats().lateness_p99_s == 0.5
+    log.reset_window()
+    stats = log.stats()
+    assert stats.window_steps == 0 and stats.lateness_p99_s == 0.0 and stats.step_p50_s == 0.0
+    assert stats.steps == 2 and sum(stats.lateness_counts) == 2 and stats.lateness_max_s == 0.5
+    log.record(0.02, 1e-4)
+    stats = log.stats()
+    assert stats.window_steps == 1 and stats.lateness_p99_s == 1e-4 and stats.step_p50_s == 0.02

@@ -790,10 +790,15 @@ def test_kv_tombstone_s_reaches_the_ledger_from_the_command_line(tmp_path):
     args = build_parser().parse_args(["serve", str(tmp_path), "--kv-tombstone-s", "7.5"])
     config = transfer_config_from_args(args)
     assert config.kv_tombstone_s == 7.5
-    agent = FakeFabric(seed=1).agent("a")
-    agent.register_kv(torch.zeros(NB, NL, 2, BS, KVH, HD))
-    thread = TransferThread(Role.DECODE, agent, agent.handshake_info("e", Role.DECODE), None, Recorder(), BS,
-                            tombstone_s=config.kv_tombstone_s)
-    assert thread.ledger.tombstone_s == 7.5
+    from kvpush.engine.kv_cache import KVLayout
+    from kvpush.transfer.runtime import TransferRuntime
+
+    layout = KVLayout(num_blocks=NB, num_layers=NL, block_size=BS, num_kv_heads=KVH, head_dim=HD, dtype=torch.float32)
+    runtime = TransferRuntime(Role.DECODE, config, torch.zeros(NB, NL, 2, BS, KVH, HD), layout, "m", "float32",
+                              lambda: None)  # over the real nixl agent, as an instance builds it
+    try:
+        assert runtime.thread.ledger.tombstone_s == 7.5
+    finally:
+        runtime.shutdown()  # never started: returns at once (it used to wait forever on the side channel)
     with pytest.raises(SystemExit, match="--kv-tombstone-s must be >= 0"):
         transfer_config_from_args(build_parser().parse_args(["serve", str(tmp_path), "--kv-tombstone-s", "-1"]))

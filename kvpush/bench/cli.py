@@ -45,7 +45,7 @@ from kvpush.bench.datasets import (
     session_samples,
     sharegpt_samples,
 )
-from kvpush.bench.emulation import add_emulated_time, emulation_report
+from kvpush.bench.emulation import add_emulated_time, emulation_report, reset_windows
 from kvpush.bench.emulation import describe as describe_emulation
 from kvpush.bench.loadgen import BenchmarkAborted, LoadConfig, RunResult, fetch_model, run_load_sync
 from kvpush.bench.metrics import BenchmarkMetrics, compute_metrics, parse_slo
@@ -326,10 +326,11 @@ def _one_run(args: argparse.Namespace, k: int, rate: float, model: str) -> tuple
         seed=seed, api_key=args.api_key, timeout_s=args.timeout_s, progress=not args.no_progress,
         kv_route=getattr(args, "kv_route", None),
     )
+    not_reset = reset_windows(args.base_url, args.api_key)  # emulated: the verdict is over this run (+ warm-ups)
     result = run_load_sync(measured, cfg, warm or None)
     metrics = compute_metrics(result.records, result.duration_s, rate, args.slo)
     doc = run_document(args, rate, model, seed, result, metrics)
-    doc["emulation"] = emulation_report(args.base_url)  # None: real instances (bench/emulation.py)
+    doc["emulation"] = emulation_report(args.base_url, window_not_reset=not_reset)  # None: real instances
     add_emulated_time(doc["emulation"], doc["metrics"])
     path = write_run(doc, args.result_dir, args.mode_label, rate)
     print(f"{summary_line(args.mode_label, rate, metrics)}{describe_emulation(doc['emulation'])} -> {path}", flush=True)

@@ -1,9 +1,12 @@
 """Whether a bench run was served by emulated instances, and whether it is valid (issue 37, docs/emulation.md).
 
-After each run `kvpush bench` reads /metrics of every instance behind its target: the target itself, and
-where the target is a kvpush proxy, the instances it lists (`kvpush_proxy_instance_served{role,url}`).
-An emulated instance exports `kvpush_emulated{profile,time_scale} 1` and, over its last 4,096 steps
-(emulate/lateness.py), the lateness p50/p99 of its steps and their median modelled duration. A run is
+Before each run `kvpush bench` asks every emulated instance behind its target to start its lateness window
+afresh (POST /emulation/reset_window), and after it reads their /metrics: the target itself, and where the target is a kvpush proxy, the instances it lists
+(`kvpush_proxy_instance_served{role,url}`). An emulated instance exports `kvpush_emulated{profile,time_scale}
+1` and, over its window (the run's steps, its warm-ups included, at most the last 4,096:
+emulate/lateness.py), the lateness
+p50/p99 of its steps and their median modelled duration. An instance whose window could not be reset
+is listed (`window_not_reset`): its verdict may carry steps of earlier runs. A run is
 **valid** when on every emulated instance the lateness p99 is at most VALID_FRACTION of the median step:
 the host kept the emulated clock. With one time scale S the report also gives the run's latencies in
 emulated time (wall-clock / S). The report goes into the run's JSON (`emulation`, None for a real run)
@@ -27,7 +30,8 @@ from kvpush.config import TransferConfig
 VALID_FRACTION = 0.05  # lateness p99 over the median modelled step
 GAUGES = {"kvpush_emulated_step_lateness_p50_seconds": "lateness_p50_s",
           "kvpush_emulated_step_lateness_p99_seconds": "lateness_p99_s",
-          "kvpush_emulated_step_p50_seconds": "step_p50_s"}
+          "kvpush_emulated_step_p50_seconds": "step_p50_s",
+          "kvpush_emulated_window_steps": "window_steps"}
 
 
 def _metrics(url: str, timeout_s: float) -> list[Any] | None:
@@ -78,7 +82,31 @@ def instance_report(url: str, families: list[Any] | None) -> dict[str, Any] | No
     return out
 
 
-def emulation_report(target: str, timeout_s: float = 10.0) -> dict[str, Any] | None:
+def _targets(target: str, timeout_s: float) -> list[str]:
+    """The instances behind `target`: those a proxy lists, else the target itself."""
+    return instance_urls(_metrics(target, timeout_s) or []) or [target]
+
+
+def reset_windows(target: str, api_key: str | None = None, timeout_s: float = 10.0) -> list[str]:
+    """Before a run: every emulated instance behind `target` (its /metrics says `kvpush_emulated`; a real
+    one is not asked) starts its lateness window afresh. Returns the emulated instances that did not answer
+    200."""
+    failed = []
+    for url in _targets(target, timeout_s):
+        if instance_report(url, _metrics(url, timeout_s) or []) is None:
+            continue  # real, or no /metrics (the report after the run says so)
+        req = urllib.request.Request(url.rstrip("/") + "/emulation/reset_window", data=b"", method="POST",
+                                     headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout_s):
+                pass
+        except (OSError, http.client.HTTPException):  # HTTPError (a status other than 2xx) is an OSError
+            failed.append(url)
+    return failed
+
+
+def emulation_report(target: str, timeout_s: float = 10.0, window_not_reset: list[str] | None = None
+                     ) -> dict[str, Any] | None:
     """The run's emulation report (module docstring); None where no instance behind `target` is emulated."""
     families = _metrics(target, timeout_s)
     urls = instance_urls(families or [])
@@ -92,7 +120,8 @@ def emulation_report(target: str, timeout_s: float = 10.0) -> dict[str, Any] | N
     return {"profiles": profiles, "time_scales": sorted({r["time_scale"] for r in emulated}),
             "rule": f"every instance's lateness p99 <= {VALID_FRACTION:.0%} of its median modelled step",
             "valid": not unreachable and all(r["valid"] for r in emulated),
-            "instances": emulated, "unreachable": unreachable}
+            "instances": emulated, "unreachable": unreachable,
+            "window_not_reset": sorted({*(window_not_reset or [])} & {str(r["url"]) for r in emulated})}
 
 
 EMULATED_TIME = ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "median_itl_ms", "median_e2el_ms")
@@ -119,6 +148,8 @@ def describe(report: dict[str, Any] | None) -> str:
               f"{1e3 * (worst.get('step_p50_s') or 0):.2f} ms")
     if report["unreachable"]:
         detail += f"; no /metrics from {', '.join(report['unreachable'])}"
+    if report.get("window_not_reset"):
+        detail += f"; window not reset (may span earlier runs) on {', '.join(report['window_not_reset'])}"
     scales = ", ".join(f"x{s:g}" for s in report["time_scales"])
     times = report.get("emulated_time_ms") or {}
     emulated = "" if "median_ttft_ms" not in times else (

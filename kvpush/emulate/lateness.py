@@ -2,8 +2,10 @@
 
 A step sleeps until its modelled end; what the host does in the step (writing the KV pattern, reading the
 context back, Python) and the sleep's own overshoot make it late. Each instance keeps a histogram over its
-life and the recent steps for percentiles; both go out with the engine's stats (EmulationStats) and on
-/metrics, labelled with the profile.
+life and a window of recent steps for percentiles: its last RECENT_STEPS steps, or fewer since the window
+was last reset (POST /emulation/reset_window, which `kvpush bench` sends before each run, so that a run's
+verdict is over its own steps, not the runs before it on the same processes). Both go out with the
+engine's stats (EmulationStats) and on /metrics, labelled with the profile.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ class EmulationStats(msgspec.Struct):
     lateness_p50_s: float = 0.0  # over the last RECENT_STEPS steps
     lateness_p99_s: float = 0.0
     step_p50_s: float = 0.0  # modelled step duration, same window
+    window_steps: int = 0  # steps in the window
 
 
 class LatenessLog:
@@ -51,10 +54,15 @@ class LatenessLog:
         self.recent.append(lateness_s)
         self.recent_steps.append(modelled_s)
 
+    def reset_window(self) -> None:
+        """Start the percentiles' window afresh (the life-long counts stay)."""
+        self.recent.clear()
+        self.recent_steps.clear()
+
     def stats(self) -> EmulationStats:
         return EmulationStats(self.profile, self.time_scale, self.steps, self.modelled_s, list(LATENESS_BUCKETS),
                               list(self.counts), self.sum_s, self.max_s, quantile(self.recent, 0.5),
-                              quantile(self.recent, 0.99), quantile(self.recent_steps, 0.5))
+                              quantile(self.recent, 0.99), quantile(self.recent_steps, 0.5), len(self.recent))
 
 
 def quantile(values: deque[float] | list[float], q: float) -> float:

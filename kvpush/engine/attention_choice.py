@@ -30,7 +30,7 @@ from kvpush.engine import calibration as cal
 from kvpush.engine.kv_cache import KVCache, KVLayout
 from kvpush.errors import ModelLoadError
 from kvpush.layers.attention import AttentionMetadata, decode_batch
-from kvpush.layers.cpu_kernels import PagedDecode, paged_decode_kernel
+from kvpush.layers.cpu_kernels import PagedDecode, paged_decode_kernel, source_hash
 
 FORMAT = 1  # of the cache file; a new one invalidates old files
 PREFIX = "decode-attention"
@@ -95,7 +95,8 @@ def cache_key(cpu: dict[str, Any], shapes: Shapes, dtype: torch.dtype, threads: 
     return {"format": FORMAT, "cpu": cal.cpu_identity(cpu), "torch": str(torch.__version__), "threads": threads,
             "dtype": str(dtype).removeprefix("torch."),
             "shapes": [shapes.num_heads, shapes.num_kv_heads, shapes.head_dim, shapes.block_size],
-            "workloads": [[w.name, w.batch, w.context] for w in WORKLOADS]}
+            "workloads": [[w.name, w.batch, w.context] for w in WORKLOADS],
+            "kernel": source_hash()}  # a new kernel is measured again
 
 
 def cached_entries(cache_dir: str, cpu: dict[str, Any]) -> list[dict[str, Any]]:

@@ -111,6 +111,13 @@ class LLMEngine:
     def emulation_stats(self) -> EmulationStats | None:
         return self.runner.stats() if isinstance(self.runner, EmulatedRunner) else None
 
+    def reset_emulation_window(self) -> bool:
+        """Start the lateness window afresh (emulate/lateness.py); False on a real engine (nothing done)."""
+        if not isinstance(self.runner, EmulatedRunner):
+            return False
+        self.runner.lateness.reset_window()
+        return True
+
     def _load_model(self, config: EngineConfig) -> None:
         self.linear_choice: Choice = choose_for(config, self.device, machine.cpu())  # --linear-backend: calibrated or cached
         log.info("%s", self.linear_choice.line())

@@ -61,6 +61,7 @@ class OpenAIServer:
         app.router.add_get("/query", self.bootstrap_query)  # vllm-router --kv-connector mooncake asks this
         app.router.add_get("/metrics", self.metrics_endpoint)
         app.router.add_post("/reset_prefix_cache", self.reset_prefix_cache)
+        app.router.add_post("/emulation/reset_window", self.reset_emulation_window)
         return app
 
     # ---- middlewares ---------------------------------------------------------------------
@@ -150,6 +151,18 @@ class OpenAIServer:
             return self._error(503, "the engine is not running")
         self.engine.reset_prefix_cache()
         return web.json_response({"reset": True})
+
+    async def reset_emulation_window(self, request: web.Request) -> web.Response:
+        """POST /emulation/reset_window (--emulate): the lateness percentiles on /metrics start afresh, before
+        any request sent after this one (emulate/lateness.py); `kvpush bench` sends it before each run. 404 on
+        a real instance, 503 while the engine is down."""
+        if not self.engine.healthy:
+            return self._error(503, "the engine is not running")
+        if self.engine.info is None or self.engine.info.emulated_profile is None:
+            return self._error(404, "this instance is not emulated (no --emulate): it has no lateness window",
+                               code="not_emulated")
+        self.engine.reset_emulation_window()
+        return web.json_response({"reset": True, "profile": self.engine.info.emulated_profile})
 
     # ---- admission -----------------------------------------------------------------------
     def _check_model(self, model: str | None) -> None:

@@ -127,6 +127,10 @@ class EngineClient:
         """The core forgets its cached prefix blocks before it takes any request sent after this."""
         self._send(m.ResetPrefixCache())
 
+    def reset_emulation_window(self) -> None:
+        """--emulate: the core starts its lateness window afresh before it takes any request sent after this."""
+        self._send(m.ResetEmulationWindow())
+
     def refuse(self, kv_transfer_params: RequestLegParams) -> None:
         """A leg was shed before it reached the engine: the core's KV connector tells the peer."""
         if self.healthy:

@@ -119,6 +119,9 @@ class EngineCore:
         elif isinstance(msg, m.ResetPrefixCache):
             n = self.engine.block_manager.reset_prefix_cache()
             log.info("prefix cache reset: %d cached blocks forgotten", n)
+        elif isinstance(msg, m.ResetEmulationWindow):
+            self.engine.reset_emulation_window()
+            self.last_key = ()  # the API's /metrics shows the empty window at once
         elif isinstance(msg, m.Shutdown):
             self.stopped = True
 
@@ -247,7 +250,8 @@ def run_engine_core(config: EngineConfig, conn_in: Connection, conn_out: Connect
     ready = m.CoreReady(engine.max_model_len, engine.arch.vocab_size, engine.layout.num_blocks,
                         engine.layout.block_size, kv_address=connector.kv_address if connector else None,
                         engine_id=connector.engine_id if connector else "", role=role.value,
-                        kv_mode=transfer.kv_mode.value if connector and transfer else None)
+                        kv_mode=transfer.kv_mode.value if connector and transfer else None,
+                        emulated_profile=engine.profile.name if engine.profile is not None else None)
     conn_out.send_bytes(m.encode(ready))
     core = EngineCore(engine, conn_in, conn_out, waker, connector, admission)
     try:

@@ -44,6 +44,10 @@ class ResetPrefixCache(msgspec.Struct, tag=True):
     the API process sends after it finds no prefix from before."""
 
 
+class ResetEmulationWindow(msgspec.Struct, tag=True):
+    """--emulate: start the lateness window afresh (POST /emulation/reset_window; emulate/lateness.py)."""
+
+
 class Shutdown(msgspec.Struct, tag=True):
     pass
 
@@ -93,13 +97,14 @@ class CoreReady(msgspec.Struct, tag=True):
     engine_id: str = ""
     role: str = "colocated"
     kv_mode: str | None = None
+    emulated_profile: str | None = None  # --emulate: the profile's name; None: the real model
 
 
 class CoreFailed(msgspec.Struct, tag=True):
     reason: str
 
 
-ToCore = AddRequest | AbortRequest | RefuseLeg | ResetPrefixCache | Shutdown
+ToCore = AddRequest | AbortRequest | RefuseLeg | ResetPrefixCache | ResetEmulationWindow | Shutdown
 FromCore = StepOutputs | CoreReady | CoreFailed
 
 _encoder = msgspec.msgpack.Encoder()

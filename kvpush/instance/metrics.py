@@ -92,7 +92,9 @@ class EmulationCollector(Collector):
                 ("kvpush_emulated_step_lateness_p99_seconds", "p99 lateness of the recent emulated steps",
                  e.lateness_p99_s, GaugeMetricFamily),
                 ("kvpush_emulated_step_p50_seconds", "Median modelled duration of the recent emulated steps",
-                 e.step_p50_s, GaugeMetricFamily)):
+                 e.step_p50_s, GaugeMetricFamily),
+                ("kvpush_emulated_window_steps", "Emulated steps in the window the percentiles cover (the last "
+                 "4096, or fewer since POST /emulation/reset_window)", e.window_steps, GaugeMetricFamily)):
             family = kind(name, doc, labels=["profile"])
             family.add_metric(label, value)
             yield family

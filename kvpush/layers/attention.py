@@ -38,6 +38,34 @@ class PrefillSeq:
 
 
 @dataclass
+class MaskCache:
+    """Additive causal masks of prefill pieces (0 / -inf) by (query rows, context, dtype), built by the first
+    layer that needs one and reused by the others in the forward. Before, every layer built each piece's
+    bool mask and SDPA converted it on every call: ~4 ms of a ~114-ms 512-token prefill in torch's
+    profiler. Up to BUDGET bytes a forward; past it a mask is built per call, as a bool one, as before (a
+    2,048-token chunk after 14k tokens of context would otherwise hold ~120 MB of masks)."""
+
+    BUDGET = 32 << 20
+    masks: dict[tuple[int, int, torch.dtype], torch.Tensor] = field(default_factory=dict)
+    used: int = 0
+
+    def get(self, rows: int, ctx: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """[rows, ctx]: query row r (position ctx - rows + r) sees keys at positions <= its own."""
+        key = (rows, ctx, dtype)
+        mask = self.masks.get(key)
+        if mask is not None:
+            return mask
+        bool_mask = _chunk_mask(rows, ctx, device)
+        size = rows * ctx * torch.finfo(dtype).bits // 8
+        if self.used + size > self.BUDGET:
+            return bool_mask
+        self.used += size
+        mask = self.masks[key] = torch.zeros((rows, ctx), dtype=dtype, device=device).masked_fill_(~bool_mask,
+                                                                                                   float("-inf"))
+        return mask
+
+
+@dataclass
 class AttentionMetadata:
     slot_rows: torch.Tensor  # [2T] cache rows of the new tokens' K then V in layer 0 (KVCache.slot_rows)
     num_decode: int = 0  # rows [0, num_decode) are decode tokens, one per sequence
@@ -47,9 +75,7 @@ class AttentionMetadata:
     decode_kernel: PagedDecode | None = None  # reads K/V in place (CPU fp32); None: gather + SDPA
     decode_step: DecodeStep | None = None  # every row decodes on the kernel: one C call a layer writes and attends
     prefills: list[PrefillSeq] = field(default_factory=list)
-    # additive causal masks of prefill pieces, by (query rows, context): built by the first layer that needs
-    # one, reused by the others in this forward (building them per layer was ~3% of a 512-token prefill)
-    masks: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    masks: MaskCache = field(default_factory=lambda: MaskCache())  # prefill pieces' masks, for this forward
 
 
 @dataclass
@@ -123,7 +149,7 @@ def paged_attention(
 
 
 def _prefill_one(q, k, v, seq: PrefillSeq, layer: int, cache: KVCache, scale: float,
-                 masks: dict[tuple[int, int], torch.Tensor]) -> torch.Tensor:
+                 masks: MaskCache) -> torch.Tensor:
     """-> [query_len, H, hd]"""
     rows = slice(seq.start, seq.start + seq.query_len)
     qi = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, q, hd]
@@ -150,24 +176,16 @@ QUERY_SPLIT = (256, 768)
 QUERY_ROWS = 64
 
 
-def _causal_by_query_rows(qi, ki, vi, offset: int, scale: float,
-                          masks: dict[tuple[int, int], torch.Tensor]) -> torch.Tensor:
+def _causal_by_query_rows(qi, ki, vi, offset: int, scale: float, masks: MaskCache) -> torch.Tensor:
     """qi: [1, H, q, hd], ki, vi: [1, kvh, offset + q, hd]; query row r sits at position offset + r.
-    masks: the forward's masks by (rows, context), filled here. -> [1, H, q, hd]"""
+    masks: the forward's. -> [1, H, q, hd]"""
     qlen, parts = qi.shape[2], []
     for s in range(0, qlen, QUERY_ROWS):
         e = min(s + QUERY_ROWS, qlen)
-        mask = masks.get((e - s, offset + e))
-        if mask is None:
-            mask = masks[(e - s, offset + e)] = _additive(_chunk_mask(e - s, offset + e, qi.device), qi.dtype)
+        mask = masks.get(e - s, offset + e, qi.dtype, qi.device)
         parts.append(F.scaled_dot_product_attention(qi[:, :, s:e], ki[:, :, : offset + e], vi[:, :, : offset + e],
                                                     attn_mask=mask, scale=scale, enable_gqa=True))
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
-
-
-def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """bool mask (True = attend) -> 0 / -inf of `dtype`, what SDPA would otherwise convert it to on every call"""
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
 
 
 def _chunk_mask(qlen: int, ctx: int, device: torch.device) -> torch.Tensor:

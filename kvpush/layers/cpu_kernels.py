@@ -2,7 +2,9 @@
 
 `paged_decode` (paged_decode.c) computes the attention of decode rows by reading K and V in place
 from the block-major cache, instead of gathering each sequence's blocks into a contiguous copy
-and running SDPA over it. It is built once per machine with `cc -O3 -march=native -ffast-math`
+and running SDPA over it. `write_decode` first writes the new tokens' K and V rows (as `write_rows`,
+KVCache.write's fast path, does), for a forward whose every row decodes: one call a layer
+(DecodeStep). It is built once per machine with `cc -O3 -march=native -ffast-math`
 then linked, into the user cache (`~/.cache/kvpush/kernels/<hash of source, flags, compiler, CPU>.so`) and
 loaded with ctypes: no torch headers, so the build takes about a second. Where it cannot be built
 or loaded (no C compiler, another OS), `paged_decode_kernel()` returns None and attention keeps the
@@ -61,7 +63,6 @@ class PagedDecode:
             raise MemoryError("paged_decode: no memory for its score rows")
         return out
 
-
     def bind(self, kv: torch.Tensor, rows: torch.Tensor, table: torch.Tensor,
              lens: torch.Tensor) -> DecodeStep | None:
         """The calls of one forward whose every row decodes (see DecodeStep), or None where the library lacks
@@ -82,19 +83,24 @@ class DecodeStep:
         assert kernel.write_decode is not None
         self.fn = kernel.write_decode
         self.kv, self.rows, self.table, self.lens = kv, rows, table, lens  # held: the pointers below are theirs
+        assert kv.dtype == torch.float32 and rows.numel() == 2 * table.shape[0] == 2 * lens.numel()
         self.ptrs = (kv.data_ptr(), rows.data_ptr())
         self.tail = (table.data_ptr(), lens.data_ptr())
-        self.batch, self.kvh, self.head_dim = table.shape[0], kvh, d
+        self.batch = table.shape[0]
+        self.row_shape = (kvh, d)
         self.sizes = (kvh, d, num_layers, block_size, table.shape[1])
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float) -> torch.Tensor | None:
-        """q: [B, H, hd], k, v: [B, kvh, hd] fp32 -> [B, H, hd], or None (nothing done) where q is not
-        contiguous or a K or V row is not (the caller takes the general path)."""
-        if not (q.is_contiguous() and _rows_contiguous(k) and _rows_contiguous(v)):
+        """q: [B, H, hd], k, v: [B, kvh, hd] fp32 -> [B, H, hd], or None (nothing done) where these do not
+        hold: B rows each, the cache's row shape, fp32, q contiguous, each K and V row contiguous (the
+        caller takes the general path)."""
+        if not (q.dtype == k.dtype == v.dtype == torch.float32 and q.shape[0] == k.shape[0] == v.shape[0] == self.batch
+                and k.shape[1:] == v.shape[1:] == self.row_shape and q.shape[2] == self.row_shape[1]
+                and q.is_contiguous() and _rows_contiguous(k) and _rows_contiguous(v)):
             return None
         out = torch.empty_like(q)
         rc = self.fn(*self.ptrs, k.data_ptr(), v.data_ptr(), k.stride(0) * 4, v.stride(0) * 4, q.data_ptr(), *self.tail,
-                     out.data_ptr(), self.batch, q.shape[1], *self.sizes, layer, scale)
+                     out.data_ptr(), self.batch, q.shape[1], *self.sizes, layer, scale)  # strides in bytes (fp32)
         if rc != 0:
             raise MemoryError("paged_decode: no memory for its score rows")
         return out
@@ -142,6 +148,11 @@ def _build(target: Path) -> None:
         for argv in ([*FLAGS, "-c", str(SOURCE), "-o", str(obj)], [str(obj), "-o", str(out), *LINK]):
             subprocess.run([c_compiler(), *argv], check=True, capture_output=True, text=True, timeout=120)
         os.replace(out, target)  # atomic: processes building at once each install a whole file
+
+
+def source_hash() -> str:
+    """The kernels' source, hashed: a cached choice between the kernel and SDPA is for this source only."""
+    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
 
 
 def paged_decode_kernel() -> PagedDecode | None:

@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterable
 
 from kvpush.config import Role
 from kvpush.transfer import protocol as pr
+from kvpush.transfer.ledger_index import RecordIndex
 from kvpush.transfer.records import (
     TRANSITIONS,
     FailureKind,
@@ -65,6 +66,7 @@ class TransferLedger:
         self._clock = clock
         self._lock = threading.Lock()
         self._records: dict[str, TransferRecord] = {}
+        self._index = RecordIndex()  # live, quarantined and tombstone ids, for the timers (ledger_index.py)
         self._owner: dict[int, str] = {}  # D: local block -> transfer holding it (live or quarantined)
         self._counters = LedgerCounters()
 
@@ -89,20 +91,17 @@ class TransferLedger:
 
     def count_by_state(self) -> dict[TransferState, int]:
         with self._lock:
-            counts = dict.fromkeys(TransferState, 0)
-            for rec in self._records.values():
-                counts[rec.state] += 1
-            return counts
+            return dict(self._index.by_state)
 
     def blocks_in_flight(self) -> list[int]:
         """Local blocks of live (non-terminal) transfers."""
         with self._lock:
-            return sorted(b for r in self._records.values() if not r.is_terminal for b in r.local_block_ids)
+            return sorted(b for t in self._index.live for b in self._records[t].local_block_ids)
 
     def quarantined_blocks(self) -> list[int]:
         """D: local blocks of FAILED / EXPIRED transfers not yet released."""
         with self._lock:
-            return sorted(b for r in self._records.values() if r.is_quarantined for b in r.local_block_ids)
+            return sorted(b for t in self._index.quarantined for b in self._records[t].local_block_ids)
 
     # --- P side -----------------------------------------------------------------------------
 
@@ -119,7 +118,7 @@ class TransferLedger:
             if (rec is not None and not rec.has_local and peer_engine_id is not None
                     and rec.peer_engine_id not in (None, peer_engine_id)):
                 self._counters.ignored_foreign += 1  # an early record from another D than expected
-                del self._records[transfer_id]
+                self._drop(transfer_id)
                 rec = None
             if rec is None:
                 self._claim(blocks, transfer_id)
@@ -185,8 +184,8 @@ class TransferLedger:
         now = self._now(now)
         out: list[int] = []
         with self._lock:
-            for rec in list(self._records.values()):
-                if rec.is_quarantined and (rec.in_flight_confirmed or now >= (rec.quarantine_until or 0.0)):
+            for rec in [self._records[t] for t in self._index.quarantined]:
+                if rec.in_flight_confirmed or now >= (rec.quarantine_until or 0.0):
                     self._put(dataclasses.replace(rec, quarantine_released=True, updated_at=now))
                     self._unclaim(rec)
                     out.extend(rec.local_block_ids)
@@ -266,7 +265,7 @@ class TransferLedger:
         """Move live records past their deadline to EXPIRED; returns them (P: free; D: fail or recompute)."""
         now = self._now(now)
         with self._lock:
-            due = [r for r in self._records.values() if not r.is_terminal and r.deadline <= now]
+            due = [r for r in (self._records[t] for t in self._index.live) if r.deadline <= now]
             return [self._move(r, S.EXPIRED, now, FailureKind.DEADLINE, error=f"deadline passed ({r.state.value})")
                     for r in due]
 
@@ -274,11 +273,9 @@ class TransferLedger:
         """Drop terminal records older than ``tombstone_s`` whose blocks are not quarantined."""
         now = self._now(now)
         with self._lock:
-            old = [tid for tid, r in self._records.items()
-                   if r.is_terminal and not r.is_quarantined and r.updated_at + self.tombstone_s <= now
-                   and (r.peer_deadline or 0.0) <= now]
+            old = self._index.collectable(self._records, self.tombstone_s, now)
             for tid in old:
-                del self._records[tid]
+                self._drop(tid)
             return old
 
     # --- internals (lock held) ------------------------------------------------------------------
@@ -297,8 +294,12 @@ class TransferLedger:
         return rec
 
     def _put(self, rec: TransferRecord) -> TransferRecord:
+        self._index.put(rec, self._records.get(rec.transfer_id))
         self._records[rec.transfer_id] = rec
         return rec
+
+    def _drop(self, transfer_id: str) -> None:
+        self._index.drop(self._records.pop(transfer_id))
 
     def _claim(self, blocks: tuple[int, ...], transfer_id: str) -> None:
         """D: a block receives one transfer's KV at a time. P's held blocks are only read, and two

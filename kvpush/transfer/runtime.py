@@ -145,9 +145,11 @@ class TransferRuntime:
             return out
 
     def shutdown(self) -> None:
+        """Stop the side channel and the transfer thread; also for a runtime never started."""
         self.side_channel.close()
         self.thread.stop()
-        self.thread.join(timeout=10)
+        if self.thread.ident is not None:
+            self.thread.join(timeout=10)
 
 
 def _layerwise(mode: KVMode) -> bool | None:

@@ -110,5 +110,8 @@ class SideChannelServer:
         self.on_reject()
 
     def close(self) -> None:
-        self.server.shutdown()
+        """Stop serving and close the socket; also for a server never started (socketserver's shutdown() would
+        then wait forever for a serving loop that never ran)."""
+        if self.thread.is_alive():
+            self.server.shutdown()
         self.server.server_close()

@@ -99,7 +99,7 @@ class Pacer:
         self.grace_until = 0.0
 
     def refresh(self, ledger: TransferLedger) -> None:
-        live = {state for state, n in ledger.count_by_state().items() if n and not state.is_terminal}
+        live = {state for state, n in ledger.count_by_state().items() if n and not state.is_terminal}  # O(states)
         self.live = bool(live)
         self.urgent = bool(live - PEER_WAIT_STATES)
 
