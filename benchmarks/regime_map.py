@@ -33,6 +33,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from kvpush.argtypes import positive_int
 from kvpush.bench.demo import ensure_model
 from kvpush.bench.regime import (
     FORCED,
@@ -113,6 +114,9 @@ def main() -> None:
                     help="runs per mode and cell, the order rotating, pooled (default: 2; full grid 1)")
     ap.add_argument("--min-prompts", type=int, default=None)
     ap.add_argument("--max-prompts", type=int, default=None)
+    ap.add_argument("--capacity-prompts", type=positive_int, default=MapConfig.capacity_prompts,
+                    help="requests sent at once to measure a row's capacity (default: %(default)s; fewer where D "
+                         "cannot hold that many prompts' KV at once, e.g. 16k-token prompts)")
     ap.add_argument("--result-dir", default="kvpush-results/regime_map")
     ap.add_argument("--no-pin", action="store_true")
     ap.add_argument("--no-calibrate", action="store_true",
@@ -184,7 +188,7 @@ def main() -> None:
         cfg = MapConfig(model=model, grid=grid, modes=tuple(dict.fromkeys(modes)), link_gbps=args.link_gbps,
                         full_link=not args.link_only,
                         run_s=args.run_s or run_s, min_prompts=args.min_prompts or defaults.min_prompts,
-                        max_prompts=args.max_prompts or max_prompts,
+                        max_prompts=args.max_prompts or max_prompts, capacity_prompts=args.capacity_prompts,
                         result_dir=args.result_dir, pin=not args.no_pin, auto_proxy_args=shlex.split(args.auto_proxy_args),
                         auto_variants=variants, calibrate=not args.no_calibrate,
                         repeats=args.repeats or (1 if grid == "full" else 2), rows=tuple(args.rows),
