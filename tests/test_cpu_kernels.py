@@ -54,6 +54,37 @@ def test_kernel_equals_gather_and_sdpa(heads, kv_heads, head_dim, block_size):
         torch.testing.assert_close(out, reference(q, kv, table, lens, layer, head_dim**-0.5), rtol=1e-5, atol=1e-5)
 
 
+def build_variant(tmp_path, extra: list[str]):
+    """The kernel built from the current source with `extra` compile flags (e.g. no AVX-512)."""
+    import ctypes
+    import subprocess
+
+    from kvpush.config import c_compiler
+    from kvpush.layers import cpu_kernels
+
+    obj, lib = tmp_path / "kernel.o", tmp_path / "kernel.so"
+    subprocess.run([c_compiler(), *cpu_kernels.FLAGS, *extra, "-c", str(cpu_kernels.SOURCE), "-o", str(obj)],
+                   check=True, capture_output=True)
+    subprocess.run([c_compiler(), str(obj), "-o", str(lib), *cpu_kernels.LINK], check=True, capture_output=True)
+    return cpu_kernels.PagedDecode(ctypes.CDLL(str(lib)))
+
+
+@needs_kernel
+@pytest.mark.parametrize("extra", [[], ["-mno-avx512f"]], ids=["native", "256-bit"])
+def test_both_vector_widths_equal_gather_and_sdpa(tmp_path, extra):
+    """The kernel's 512-bit path (where the CPU has AVX-512) and its 256-bit one, each built here, on head sizes
+    that take each of their branches (multiples of 16, of 8 only, neither), and 1, 2 and 4 query heads a KV head."""
+    variant = build_variant(tmp_path, extra)
+    g = torch.Generator().manual_seed(7)
+    for heads, kv_heads, head_dim in ((6, 3, 64), (4, 1, 24), (2, 2, 40), (4, 4, 20), (8, 2, 128)):
+        kv = torch.randn(32, 2, 2, 4, kv_heads, head_dim, generator=g)
+        lens = torch.tensor([1, 4, 5, 21, 33])
+        table = torch.stack([torch.randperm(32, generator=g)[:9] for _ in lens])
+        q = torch.randn(len(lens), heads, head_dim, generator=g)
+        torch.testing.assert_close(variant(q, kv, table, lens, 1, 0.3), reference(q, kv, table, lens, 1, 0.3),
+                                   rtol=1e-5, atol=1e-5)
+
+
 @needs_kernel
 def test_loading_it_keeps_subnormals():
     """The library is compiled with -ffast-math but must not switch the process to flush-to-zero."""

@@ -17,7 +17,8 @@
    2026-12-07): new / old 0.95 [0.92, 0.96] at 16 sequences x 96 tokens, 0.89 [0.86, 0.91] at 16 x 500,
    0.91 [0.89, 0.92] at 64 x 200, cannot tell at one sequence of 100 (0.97 [0.90, 1.06]). Grouping the
    query heads of a KV head over that version's layout instead measured no better (1.04 at 16 x 96).
-   Head sizes that are not a multiple of the vector width take plain loops.
+   Head sizes that are a multiple of 8 but not of 16 take 256-bit vectors there; sizes that are not a
+   multiple of 8, plain loops.
    Built by layers/cpu_kernels.py. */
 
 #include <math.h>
@@ -39,6 +40,20 @@ typedef int vi __attribute__((vector_size(32)));
 
 static inline vf loadv(const float *p) { return *(const vfu *)p; }
 static inline void storev(float *p, vf v) { *(vfu *)p = v; }
+
+#if W == 16 /* 256-bit vectors too, for head sizes that are a multiple of 8 but not of 16 */
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v8u __attribute__((vector_size(32), aligned(4), may_alias));
+typedef int i8 __attribute__((vector_size(32)));
+static inline v8 load8(const float *p) { return *(const v8u *)p; }
+static inline void store8(float *p, v8 v) { *(v8u *)p = v; }
+static inline float hsum8(v8 v) {
+    v += __builtin_shuffle(v, (i8){4, 5, 6, 7, 0, 1, 2, 3});
+    v += __builtin_shuffle(v, (i8){2, 3, 0, 1, 6, 7, 4, 5});
+    v += __builtin_shuffle(v, (i8){1, 0, 3, 2, 5, 4, 7, 6});
+    return v[0];
+}
+#endif
 
 static inline float hsum(vf v) {
 #if W == 16
@@ -69,7 +84,7 @@ static void softmax(float *restrict p, int64_t n) {
     for (int64_t j = 0; j < n; j++) p[j] *= inv;
 }
 
-/* a . b over n floats (n a multiple of W on the vector path) */
+/* a . b over n floats (vectors where n is a multiple of W, or of 8) */
 static inline float dot(const float *restrict a, const float *restrict b, int64_t n) {
     if (n % W == 0) {
         vf acc0 = {0}, acc1 = {0};
@@ -81,6 +96,13 @@ static inline float dot(const float *restrict a, const float *restrict b, int64_
         if (d < n) acc0 += loadv(a + d) * loadv(b + d);
         return hsum(acc0 + acc1);
     }
+#if W == 16
+    if (n % 8 == 0) {
+        v8 acc = {0};
+        for (int64_t d = 0; d < n; d += 8) acc += load8(a + d) * load8(b + d);
+        return hsum8(acc);
+    }
+#endif
     float acc = 0.0f;
     for (int64_t d = 0; d < n; d++) acc += a[d] * b[d];
     return acc;
@@ -92,6 +114,12 @@ static inline void axpy(float *restrict o, float w, const float *restrict x, int
         for (int64_t d = 0; d < n; d += W) storev(o + d, loadv(o + d) + w * loadv(x + d));
         return;
     }
+#if W == 16
+    if (n % 8 == 0) {
+        for (int64_t d = 0; d < n; d += 8) store8(o + d, load8(o + d) + w * load8(x + d));
+        return;
+    }
+#endif
     for (int64_t d = 0; d < n; d++) o[d] += w * x[d];
 }
 
