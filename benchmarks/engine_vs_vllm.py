@@ -144,7 +144,7 @@ def main() -> None:
     out = Path(args.out) / time.strftime("%Y%m%d-%H%M%S")
     out.mkdir(parents=True)
     runs: dict[tuple[str, str], list[dict]] = {}
-    labels: list[str] = []
+    labels = []
     with ExitStack() as stack:
         for r in range(args.repeats):
             if r == 0 or args.restart:

@@ -75,8 +75,13 @@ class RecordIndex:
         return out
 
     def _check(self, tid: str, rec: TransferRecord | None, tombstone_s: float, now: float) -> bool:
-        """A held tombstone: True if it may go now; forgotten here if it was dropped or written again since."""
-        if rec is None or not rec.is_terminal or rec.updated_at + tombstone_s > now:
+        """A held tombstone: True if it may go now. Forgotten here if it was dropped; back on the heap if it is
+        not old enough (any more: written again since, `now` went back, or tombstone_s grew)."""
+        if rec is None or not rec.is_terminal:
             self._held.discard(tid)
+            return False
+        if rec.updated_at + tombstone_s > now:
+            self._held.discard(tid)
+            heapq.heappush(self._tombstones, (rec.updated_at, next(self._seq), tid))
             return False
         return not rec.is_quarantined and (rec.peer_deadline or 0.0) <= now

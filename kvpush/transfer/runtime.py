@@ -149,7 +149,10 @@ class TransferRuntime:
         self.side_channel.close()
         self.thread.stop()
         if self.thread.ident is not None:
-            self.thread.join(timeout=10)
+            self.thread.join(timeout=10)  # the thread closes its agent and doorbell as it ends
+        else:
+            self.thread.agent.close()
+            self.thread.doorbell.close()
 
 
 def _layerwise(mode: KVMode) -> bool | None:
