@@ -111,12 +111,10 @@ class LLMEngine:
     def emulation_stats(self) -> EmulationStats | None:
         return self.runner.stats() if isinstance(self.runner, EmulatedRunner) else None
 
-    def reset_emulation_window(self) -> bool:
-        """Start the lateness window afresh (emulate/lateness.py); False on a real engine (nothing done)."""
-        if not isinstance(self.runner, EmulatedRunner):
-            return False
-        self.runner.lateness.reset_window()
-        return True
+    def reset_emulation_window(self) -> None:
+        """Start the lateness window afresh (emulate/lateness.py); nothing on a real engine."""
+        if isinstance(self.runner, EmulatedRunner):
+            self.runner.lateness.reset_window()
 
     def _load_model(self, config: EngineConfig) -> None:
         self.linear_choice: Choice = choose_for(config, self.device, machine.cpu())  # --linear-backend: calibrated or cached
