@@ -122,3 +122,41 @@ def test_resetting_the_window_keeps_the_life_long_counts():
     log.record(0.02, 1e-4)
     stats = log.stats()
     assert stats.window_steps == 1 and stats.lateness_p99_s == 1e-4 and stats.step_p50_s == 0.02
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_c_read_back_gives_the_torch_sums(dtype):
+    """layers/kv_digest.c against the torch path, bit for bit, over random bytes (negative halves and all),
+    scattered block tables and spans that start and end inside blocks."""
+    from kvpush.emulate.kv_pattern import KVPattern
+    from kvpush.engine.kv_cache import KVCache, KVLayout
+
+    cache = KVCache(KVLayout(num_blocks=40, num_layers=3, block_size=8, num_kv_heads=2, head_dim=4, dtype=dtype))
+    native = KVPattern(cache, vocab_size=100, max_positions=300)
+    if native.native is None:
+        pytest.skip("no C compiler here: the torch path is the only one")
+    plain = KVPattern(cache, vocab_size=100, max_positions=300, native=False)
+    gen = torch.Generator().manual_seed(7)
+    cache.kv.view(torch.int16).copy_(torch.randint(-(1 << 15), 1 << 15, cache.kv.view(torch.int16).shape,
+                                                   dtype=torch.int16, generator=gen))
+    table = torch.randperm(40, generator=gen)[:30].tolist()
+    spans = [(table, 0, 240), (table, 3, 5), (table, 7, 9), (table, 100, 100), (table[:2], 0, 16), (table, 17, 239)]
+    got = native.digests(spans)
+    assert got == plain.digests(spans)
+    head, tail = native.digests([(table, 0, 17), (table, 239, 240)])
+    assert got[1] != 0 and got[0] == head + got[5] + tail  # adjacent spans add up (no wrap at this size)
+
+
+def test_the_c_read_back_refuses_a_span_past_its_table():
+    from kvpush.layers.cpu_kernels import kv_digest
+
+    fn = kv_digest()
+    if fn is None:
+        pytest.skip("no C compiler here")
+    kv = torch.zeros(4, 2, 2, 8, 1, 4, dtype=torch.bfloat16)
+    weights = torch.zeros(100, dtype=torch.long), torch.zeros(8, dtype=torch.long)
+    with pytest.raises(ValueError, match="do not fit"):
+        fn(kv, torch.tensor([0, 1]), 0, 17, *weights)  # 17 positions, 2 blocks of 8
+    with pytest.raises(ValueError, match="do not fit"):
+        fn(kv, torch.tensor([0, 9]), 0, 16, *weights)  # block 9 of 4
+    assert fn(kv, torch.tensor([0, 1]), 0, 16, *weights) == 0

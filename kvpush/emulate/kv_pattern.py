@@ -10,7 +10,9 @@ Reading: a context's digest is a weighted sum over each of its rows' first and l
 bits), weights by (position, layer, K|V, end); the token is a mix of the digest and the context length.
 A transfer that delivers a row wrong at either end, or misplaces a block, changes the token; a change
 strictly inside a row goes unseen (reading every byte of a 32 KiB-per-token context each step would
-cost more than the step it emulates).
+cost more than the step it emulates). On the host the sum runs in C, one pass in cache order
+(layers/kv_digest.c): torch's gather over a 16k context took 230 ms, longer than a decode step at
+--time-scale 20; the torch path stays where the C library cannot be built, and gives the same sums.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from kvpush.engine.kv_cache import KVCache
+from kvpush.layers.cpu_kernels import KVDigest, kv_digest
 
 P31 = (1 << 31) - 1
 W24 = (1 << 24) - 1
@@ -39,8 +42,10 @@ class KVPattern:
     """The pattern of one cache. Tables of pseudo-random words per token id, position and (layer, K|V)
     are made once; a row's code and a digest's weights are xors of table entries."""
 
-    def __init__(self, cache: KVCache, vocab_size: int, max_positions: int) -> None:
+    def __init__(self, cache: KVCache, vocab_size: int, max_positions: int, native: bool = True) -> None:
         self.cache = cache
+        # digests' one-pass C read-back (layers/kv_digest.c) where it builds and the cache is on the host
+        self.native: KVDigest | None = kv_digest() if native and cache.kv.device.type == "cpu" else None
         lay = cache.layout
         self.row = lay.num_kv_heads * lay.head_dim
         self.num_layers = lay.num_layers
@@ -66,6 +71,10 @@ class KVPattern:
         first and last elements' bits, every layer, K and V. Sums over adjacent spans add up."""
         if not spans:
             return []
+        if self.native is not None:
+            fn, kv = self.native, self.cache.kv
+            return [fn(kv, torch.tensor(table, dtype=torch.long), start, end, self.weight_by_position,
+                       self.weight_by_end) for table, start, end in spans]
         lay = self.cache.layout
         pos, blocks, owner = self._positions(spans)  # [P]
         layers = torch.arange(lay.num_layers, dtype=torch.long)

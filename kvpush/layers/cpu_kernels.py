@@ -30,6 +30,8 @@ from kvpush.config import c_compiler, user_cache_dir
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_decode.c")
+DIGEST_SOURCE = Path(__file__).with_name("kv_digest.c")  # the emulated runner's KV read-back (KVDigest)
+SOURCES = (SOURCE, DIGEST_SOURCE)  # one library
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-fPIC"]  # compile step
 # Linked in a second step without -ffast-math: linking with it adds crtfastmath.o, whose constructor
 # turns on flush-to-zero for the whole process when the library loads (found by a hypothesis test
@@ -129,6 +131,32 @@ class RowWriter:
         return True
 
 
+class KVDigest:
+    """The loaded read-back of kv_digest.c: KVPattern.digests' sum over one span in one pass."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.fn = lib.kvpush_kv_digest
+        self.fn.restype = _I64
+        self.fn.argtypes = [_PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR]
+
+    def __call__(self, kv: torch.Tensor, table: torch.Tensor, start: int, end: int, w_pos: torch.Tensor,
+                 w_end: torch.Tensor) -> int:
+        """kv: a contiguous cache [N, L, 2, bs, kvh, hd] of 2- or 4-byte elements; table: the span's blocks
+        (int64, contiguous, covering [0, end)); w_pos [> end], w_end [L * 4]: int64. The sum, signed."""
+        n, layers, _, bs = kv.shape[:4]
+        if not (kv.is_contiguous() and kv.element_size() in (2, 4) and table.dtype == w_pos.dtype == w_end.dtype
+                == torch.int64 and table.is_contiguous() and w_pos.is_contiguous() and w_end.is_contiguous()
+                and table.numel() * bs >= end and w_pos.numel() >= end and w_end.numel() == 4 * layers
+                and 0 <= start <= end and _within(table[:(end + bs - 1) // bs], n)):
+            raise ValueError("kv_digest: cache, block table or weights do not fit the span")
+        return int(self.fn(kv.data_ptr(), table.data_ptr(), start, end, layers, bs, kv[0, 0, 0, 0].numel(),
+                           kv.element_size(), w_pos.data_ptr(), w_end.data_ptr()))
+
+
+def _within(ids: torch.Tensor, n: int) -> bool:
+    return ids.numel() == 0 or (int(ids.min()) >= 0 and int(ids.max()) < n)
+
+
 def _rows_contiguous(x: torch.Tensor) -> bool:
     """[T, kvh, hd] whose every [kvh, hd] row is contiguous."""
     return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
@@ -144,8 +172,10 @@ def _cpu_signature() -> str:
 def _build(target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        obj, out = Path(tmp) / "kernel.o", Path(tmp) / target.name
-        for argv in ([*FLAGS, "-c", str(SOURCE), "-o", str(obj)], [str(obj), "-o", str(out), *LINK]):
+        objs = [str(Path(tmp) / f"{source.stem}.o") for source in SOURCES]
+        out = Path(tmp) / target.name
+        steps = [[*FLAGS, "-c", str(source), "-o", obj] for source, obj in zip(SOURCES, objs, strict=True)]
+        for argv in [*steps, [*objs, "-o", str(out), *LINK]]:
             subprocess.run([c_compiler(), *argv], check=True, capture_output=True, text=True, timeout=120)
         os.replace(out, target)  # atomic: processes building at once each install a whole file
 
@@ -167,9 +197,15 @@ def row_writer() -> RowWriter | None:
     return RowWriter(lib) if lib is not None else None
 
 
+def kv_digest() -> KVDigest | None:
+    """The emulated runner's KV read-back, from the same library; None where it cannot be built."""
+    lib = _library()
+    return KVDigest(lib) if lib is not None else None
+
+
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, *LINK, c_compiler(), platform.machine(),
+    key = hashlib.sha256("\0".join([*(source.read_text() for source in SOURCES), *FLAGS, *LINK, c_compiler(), platform.machine(),
                                     _cpu_signature()]).encode()).hexdigest()[:16]
     target = Path(user_cache_dir("kernels")) / f"paged_decode-{key}.so"
     try:
