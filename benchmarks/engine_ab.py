@@ -4,11 +4,13 @@
                                    [--workloads decode1 decode16 prefill512] [--model DIR]
     python benchmarks/engine_ab.py --a linear=mkl --b linear=onednn     # the two linear backends
     python benchmarks/engine_ab.py --a attention=kernel --b attention=sdpa   # the two decode attentions
+    python benchmarks/engine_ab.py --a prefill=sdpa --b prefill=kernel --workloads prefill512 prefill2048
 
 Builds one LLMEngine per variant (settings: `compile=on|off|auto`, `huge_pages=on|off`,
 `trim=on|off`: the heap trimmed before each timed workload, `linear=auto|mkl|onednn`: the
 linear layers' backend, --linear-backend; default auto, what this machine's calibration chose;
 `attention=auto|kernel|sdpa`: decode attention, --decode-attention (default auto, likewise);
+`prefill=auto|kernel|sdpa`: prefill attention, --prefill-attention (default auto, likewise);
 `wrapper=cpp|python`: the compiled graph's wrapper, inductor's C++ one (kvpush's default on CPU) or
 Python; each compiled variant gets a graph of its own, engine/compiler.py's separate_graphs), then per
 repeat runs every workload on both engines, the order alternating between repeats, so that the
@@ -46,7 +48,8 @@ from kvpush.engine.native_memory import trim_heap
 
 # trim=on: malloc_trim right before each timed workload of that variant, as the engine core does when idle
 SETTINGS = {"compile": ("on", "off", "auto"), "huge_pages": ("on", "off"), "trim": ("on", "off"),
-            "linear": ("auto", "mkl", "onednn"), "attention": ("auto", "kernel", "sdpa"), "wrapper": ("cpp", "python")}
+            "linear": ("auto", "mkl", "onednn"), "attention": ("auto", "kernel", "sdpa"),
+            "prefill": ("auto", "kernel", "sdpa"), "wrapper": ("cpp", "python")}
 DECODE_STEPS = 32
 
 
@@ -70,7 +73,8 @@ def build(model: str, settings: dict[str, str]) -> LLMEngine:
             SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=4096),
             compile=CompileMode(settings.get("compile", "auto")),
             linear_backend=LinearBackend(settings.get("linear", "auto")),
-            decode_attention=DecodeAttention(settings.get("attention", "auto"))))
+            decode_attention=DecodeAttention(settings.get("attention", "auto")),
+            prefill_attention=DecodeAttention(settings.get("prefill", "auto"))))
 
 
 def parse_workload(name: str) -> tuple[str, int] | None:

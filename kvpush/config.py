@@ -91,25 +91,41 @@ def _parse_choice(cls: type[_E], value: str | _E, what: str) -> _E:
         raise ValueError(f"{what} {value!r}: expected one of {names}") from None
 
 
-class DecodeAttention(StrEnum):
-    """How decode rows attend on a CPU (layers/attention.py): `kernel` the C kernel reads each sequence's
-    K/V in place from the cache (fp32 CPU caches; needs a C compiler), `sdpa` the blocks are gathered and
-    one padded SDPA call attends; `auto` times both on the model's attention shapes at start-up and keeps
-    the faster, cached per CPU model and torch version (engine/attention_choice.py)."""
+class AttentionPath(StrEnum):
+    """How rows of one kind attend on a CPU (layers/attention.py), chosen apart for decode rows
+    (--decode-attention) and prefill chunks (--prefill-attention): `kernel` a C kernel (fp32 CPU caches;
+    needs a C compiler: decode rows read each sequence's K/V in place from the cache, a prefill chunk's
+    rows attend over their context in one call); `sdpa` torch's scaled_dot_product_attention (decode: the
+    blocks gathered, one padded call; prefill: one call per 64-row piece); `auto` times both on the model's
+    attention shapes at start-up and keeps the faster, cached per CPU model and torch version
+    (engine/attention_choice.py)."""
 
     AUTO = "auto"
     KERNEL = "kernel"
     SDPA = "sdpa"
 
 
-def decode_attention_default() -> DecodeAttention:
+DecodeAttention = AttentionPath  # --decode-attention's values
+PrefillAttention = AttentionPath  # --prefill-attention's values
+
+
+def decode_attention_default() -> AttentionPath:
     """`auto`, unless KVPUSH_DECODE_ATTENTION says otherwise (the test suite sets `kernel`)."""
-    return parse_decode_attention(os.environ.get("KVPUSH_DECODE_ATTENTION", DecodeAttention.AUTO.value))
+    return parse_decode_attention(os.environ.get("KVPUSH_DECODE_ATTENTION", AttentionPath.AUTO.value))
 
 
-def parse_decode_attention(value: str | DecodeAttention) -> DecodeAttention:
-    """A DecodeAttention from its name; ValueError that lists the names."""
-    return _parse_choice(DecodeAttention, value, "decode attention")
+def prefill_attention_default() -> AttentionPath:
+    """`auto`, unless KVPUSH_PREFILL_ATTENTION says otherwise (the test suite sets `kernel`)."""
+    return parse_prefill_attention(os.environ.get("KVPUSH_PREFILL_ATTENTION", AttentionPath.AUTO.value))
+
+
+def parse_decode_attention(value: str | AttentionPath) -> AttentionPath:
+    """An AttentionPath from its name; ValueError that lists the names."""
+    return _parse_choice(AttentionPath, value, "decode attention")
+
+
+def parse_prefill_attention(value: str | AttentionPath) -> AttentionPath:
+    return _parse_choice(AttentionPath, value, "prefill attention")
 
 
 def linear_cache_dir() -> str:
@@ -183,7 +199,8 @@ class EngineConfig:
     seed: int = 0
     compile: CompileMode = field(default_factory=compile_mode_default)
     linear_backend: LinearBackend = field(default_factory=linear_backend_default)
-    decode_attention: DecodeAttention = field(default_factory=decode_attention_default)
+    decode_attention: AttentionPath = field(default_factory=decode_attention_default)
+    prefill_attention: AttentionPath = field(default_factory=prefill_attention_default)
     emulation: EmulationConfig = field(default_factory=EmulationConfig)
 
     def __post_init__(self) -> None:

@@ -7,14 +7,15 @@ The command itself (kvpush/cli.py) and the benchmarks that start servers both us
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from dataclasses import fields
 
 from kvpush.argtypes import non_negative_float, positive_float, positive_int, unit_fraction
 from kvpush.config import (
     AdmissionConfig,
+    AttentionPath,
     CacheConfig,
     CompileMode,
-    DecodeAttention,
     EmulationConfig,
     EngineConfig,
     Faults,
@@ -31,6 +32,7 @@ from kvpush.config import (
     compile_mode_default,
     decode_attention_default,
     linear_backend_default,
+    prefill_attention_default,
     torch_threads_default,
 )
 
@@ -71,11 +73,16 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="the linear layers' CPU backend: mkl (plain nn.Linear), onednn (weights packed once at "
                         "load), auto (time both on the model's shapes at start-up, keep the faster; cached per "
                         "CPU model and torch version) (default: $KVPUSH_LINEAR_BACKEND, else auto)")
-    g.add_argument("--decode-attention", default=None, choices=[b.value for b in DecodeAttention],
+    g.add_argument("--decode-attention", default=None, choices=[b.value for b in AttentionPath],
                    help="how decode rows attend on a CPU: kernel (a C kernel reads K/V in place; fp32), sdpa "
                         "(blocks gathered, one SDPA call), auto (time both on the model's shapes at start-up, keep "
                         "the faster; cached per CPU model and torch version) (default: $KVPUSH_DECODE_ATTENTION, "
                         "else auto)")
+    g.add_argument("--prefill-attention", default=None, choices=[b.value for b in AttentionPath],
+                   help="how prefill chunks attend on a CPU: kernel (one C call a chunk over its context; fp32), "
+                        "sdpa (one SDPA call per 64-row piece), auto (time both on the model's shapes at start-up, "
+                        "keep the faster; cached per CPU model and torch version) (default: "
+                        "$KVPUSH_PREFILL_ATTENTION, else auto)")
     g.add_argument("--emulate", default=None, metavar="PROFILE",
                    help="replace the model's forward by an emulated accelerator: a shipped profile's name "
                         "(qwen3-8b-h100, qwen3-32b-h200-tp8) or a profile file; MODEL supplies only the tokenizer; "
@@ -132,19 +139,22 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             seed=args.seed,
             compile=CompileMode(args.compile),
             linear_backend=_linear_backend(args.linear_backend),
-            decode_attention=_decode_attention(args.decode_attention),
+            decode_attention=_attention_path(args.decode_attention, decode_attention_default,
+                                             "KVPUSH_DECODE_ATTENTION"),
+            prefill_attention=_attention_path(args.prefill_attention, prefill_attention_default,
+                                              "KVPUSH_PREFILL_ATTENTION"),
             emulation=_emulation(args),
         )
     except ValueError as exc:
         raise SystemExit(f"kvpush: {exc}") from None
 
 
-def _decode_attention(name: str | None) -> DecodeAttention:
-    """--decode-attention, else $KVPUSH_DECODE_ATTENTION (checked here), else auto."""
+def _attention_path(name: str | None, default: Callable[[], AttentionPath], env: str) -> AttentionPath:
+    """--decode-attention / --prefill-attention, else its environment variable (checked here), else auto."""
     try:
-        return DecodeAttention(name) if name else decode_attention_default()
+        return AttentionPath(name) if name else default()
     except ValueError as e:
-        raise SystemExit(f"kvpush: $KVPUSH_DECODE_ATTENTION: {e}") from None
+        raise SystemExit(f"kvpush: ${env}: {e}") from None
 
 
 def _emulation(args: argparse.Namespace) -> EmulationConfig:

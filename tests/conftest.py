@@ -14,7 +14,9 @@ os.environ.setdefault("KVPUSH_COMPILE", "off")  # compiled only where a test ask
 # plain linears unless a test forces oneDNN: no calibration at every engine start, no writes to the user's cache
 os.environ.setdefault("KVPUSH_LINEAR_BACKEND", "mkl")
 # the C kernel where a compiler builds it, else gather + SDPA, as before: no calibration per test engine
-os.environ.setdefault("KVPUSH_DECODE_ATTENTION", "kernel" if shutil.which(os.environ.get("CC") or "cc") else "sdpa")
+_KERNELS = "kernel" if shutil.which(os.environ.get("CC") or "cc") else "sdpa"
+os.environ.setdefault("KVPUSH_DECODE_ATTENTION", _KERNELS)
+os.environ.setdefault("KVPUSH_PREFILL_ATTENTION", _KERNELS)
 
 
 def pytest_addoption(parser) -> None:

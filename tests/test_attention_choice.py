@@ -1,5 +1,5 @@
-"""Decode attention's two paths (layers/attention.py: the C kernel, gather + SDPA) and the start-up choice
-between them (engine/attention_choice.py): greedy parity with each one forced, eager and compiled;
+"""Decode and prefill attention's two paths each (layers/attention.py: the C kernels, SDPA) and the start-up
+choices between them (engine/attention_choice.py): greedy parity with each one forced, eager and compiled;
 calibration's decision, cache and key on fake timings; a real calibration on tiny shapes; the flag and
 `kvpush env`. No test asserts a speed."""
 
@@ -35,10 +35,12 @@ CPU = {"model": "Test CPU", "vendor": "X", "family": "6", "model_number": "1", "
 SHAPES = ac.Shapes(num_heads=4, num_kv_heads=2, head_dim=16, block_size=4)
 
 
-def attention_engine(model: str, path: str, compile_mode: str = "off") -> LLMEngine:
+def attention_engine(model: str, path: str, compile_mode: str = "off", prefill: str | None = None) -> LLMEngine:
+    """Decode rows on `path`, prefill chunks on `prefill` (default: `path` too)."""
     return LLMEngine(EngineConfig(ModelConfig(model), CacheConfig(block_size=4, num_blocks=256),
                                   SchedulerConfig(16, 200, True), compile=CompileMode(compile_mode),
-                                  decode_attention=DecodeAttention(path)))
+                                  decode_attention=DecodeAttention(path),
+                                  prefill_attention=DecodeAttention(prefill or path)))
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
@@ -50,6 +52,7 @@ def test_each_path_matches_transformers(arch, path, tiny_model, llama_model):
     eng = attention_engine(model, path)
     assert eng.attention_choice.path is DecodeAttention(path) and eng.attention_choice.source == "flag"
     assert (eng.runner.decode_kernel is not None) == (path == "kernel")
+    assert (eng.runner.prefill_kernel is not None) == (path == "kernel") and eng.prefill_choice.source == "flag"
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
     prompt = prompts(eng.arch.vocab_size, (21,))[0]
     [ours] = generate(eng, [prompt])
@@ -63,10 +66,12 @@ def test_each_path_matches_transformers(arch, path, tiny_model, llama_model):
 
 @pytest.mark.parametrize("compile_mode", ["off", "on"])
 def test_both_paths_give_the_same_greedy_batches(tiny_model, compile_mode):
-    """Continuous batches of decodes beside prefill chunks, contexts over several blocks."""
-    ps = prompts(attention_engine(tiny_model, "sdpa").arch.vocab_size, (1, 4, 7, 13, 30, 90))
-    kernel, sdpa = (attention_engine(tiny_model, p, compile_mode) for p in ("kernel", "sdpa"))
-    assert generate(kernel, ps) == generate(sdpa, ps)
+    """Continuous batches of decodes beside prefill chunks, contexts over several blocks, a prompt longer than
+    a step's token budget (chunks after earlier context); each prefill path beside each decode path."""
+    ps = prompts(attention_engine(tiny_model, "sdpa").arch.vocab_size, (1, 4, 7, 13, 30, 90, 330))
+    expected = generate(attention_engine(tiny_model, "sdpa", compile_mode), ps)
+    for decode, prefill in (("kernel", "kernel"), ("kernel", "sdpa"), ("sdpa", "kernel")):
+        assert generate(attention_engine(tiny_model, decode, compile_mode, prefill), ps) == expected
 
 
 class FakeMeasure:
@@ -80,8 +85,9 @@ class FakeMeasure:
 
 
 def choose(cache: Path, measure, requested=DecodeAttention.AUTO, shapes=SHAPES, dtype=torch.float32, device="cpu",
-           cpu=CPU) -> ac.AttentionChoice:
-    return ac.choose(requested, shapes, dtype, torch.device(device), cpu=cpu, cache_dir=str(cache), measure=measure)
+           cpu=CPU, op="decode") -> ac.AttentionChoice:
+    return ac.choose(requested, shapes, dtype, torch.device(device), cpu=cpu, cache_dir=str(cache), measure=measure,
+                     op=ac._decode_op() if op == "decode" else ac._prefill_op())
 
 
 @pytest.mark.parametrize(("kernel", "sdpa", "expected"), [(1.0, 0.5, "sdpa"), (0.5, 1.0, "kernel"),
@@ -195,3 +201,40 @@ def test_a_changed_kernel_is_measured_again(tmp_path: Path, monkeypatch: pytest.
     after = ac.cache_key({"model name": "x"}, shapes, torch.float32, 1)
     assert before["kernel"] != after["kernel"] and {k: v for k, v in before.items() if k != "kernel"} == \
         {k: v for k, v in after.items() if k != "kernel"}
+
+
+def test_the_prefill_choice_is_its_own(tmp_path):
+    """--prefill-attention: calibrated on its own workloads into its own cache files, forced by its own flag;
+    a real calibration runs both paths on every prefill workload (no speed asserted)."""
+    choice = choose(tmp_path, None, op="prefill")
+    assert choice.source == "measured" and set(choice.timings) == {w.name for w in ac.PREFILL_WORKLOADS}
+    assert all(k > 0 and s > 0 for k, s in choice.timings.values())
+    assert choice.line().startswith(f"prefill attention: {choice.path.value} (measured in")
+    assert len(list(tmp_path.glob("prefill-attention-*.json"))) == 1 and not list(tmp_path.glob("decode-*"))
+    assert choose(tmp_path, FakeMeasure(0.5, 1.0), op="prefill").source == "cached"
+    assert choose(tmp_path, FakeMeasure(0.5, 1.0)).source == "measured"  # decode: another file
+    forced = choose(tmp_path, None, DecodeAttention.KERNEL, op="prefill")
+    assert forced.kernel is not None and forced.line() == "prefill attention: kernel (forced by --prefill-attention)"
+    with pytest.raises(ModelLoadError, match="--prefill-attention kernel: the C kernel reads fp32"):
+        choose(tmp_path, None, DecodeAttention.KERNEL, dtype=torch.bfloat16, op="prefill")
+    prefill_key = ac.cache_key(CPU, SHAPES, torch.float32, 1, ac._prefill_op())
+    assert prefill_key["kernel"] != ac.cache_key(CPU, SHAPES, torch.float32, 1)["kernel"]  # each kernel's source
+
+
+def test_the_prefill_flag_and_env(tmp_path, monkeypatch):
+    def config(*flags: str) -> EngineConfig:
+        return engine_config_from_args(build_parser().parse_args(["serve", "m", *flags]))
+
+    assert config("--prefill-attention", "sdpa").prefill_attention is DecodeAttention.SDPA
+    monkeypatch.setenv("KVPUSH_PREFILL_ATTENTION", "flash")
+    with pytest.raises(SystemExit, match=r"\$KVPUSH_PREFILL_ATTENTION: prefill attention 'flash': expected one of"):
+        config()
+    assert build_engine_config("m", prefill_attention="sdpa").prefill_attention is DecodeAttention.SDPA
+    monkeypatch.setenv("KVPUSH_PREFILL_ATTENTION", "auto")
+    monkeypatch.setenv("KVPUSH_DECODE_ATTENTION", "auto")
+    assert "not calibrated" in machine.decode_attention(str(tmp_path), op="prefill")
+    choose(tmp_path, FakeMeasure(1.0, 0.5), cpu=machine.cpu(), op="prefill")
+    assert machine.decode_attention(str(tmp_path), op="prefill").startswith("auto, cached: sdpa for heads/kv heads")
+    assert "not calibrated" in machine.decode_attention(str(tmp_path))  # the decode choice is apart
+    monkeypatch.setenv("KVPUSH_PREFILL_ATTENTION", "sdpa")
+    assert machine.decode_attention(op="prefill").startswith("sdpa (forced by $KVPUSH_PREFILL_ATTENTION)")

@@ -121,7 +121,7 @@ print("SERVED kernel=%s" % (eng.runner.decode_kernel is not None))
 def test_without_a_c_compiler_attention_gathers(tiny_model, tmp_path):
     """--decode-attention auto takes gather + SDPA, saying why; kernel forced stops start-up, saying why."""
     env = {**os.environ, "CC": str(tmp_path / "no-such-cc"), "XDG_CACHE_HOME": str(tmp_path / "cache"),
-           "KVPUSH_DECODE_ATTENTION": "auto"}
+           "KVPUSH_DECODE_ATTENTION": "auto", "KVPUSH_PREFILL_ATTENTION": "auto"}
     proc = subprocess.run([sys.executable, "-c", SCRIPT, tiny_model], env=env, capture_output=True, text=True,
                           timeout=300)
     out = proc.stdout + proc.stderr
@@ -129,6 +129,7 @@ def test_without_a_c_compiler_attention_gathers(tiny_model, tmp_path):
     assert "SERVED kernel=False" in out
     assert len([line for line in out.splitlines() if "decode attention gathers blocks instead" in line]) == 1, out
     assert "decode attention: sdpa (the C kernel could not be built here" in out
+    assert "prefill attention: sdpa (the C kernel could not be built here" in out
     proc = subprocess.run([sys.executable, "-c", SCRIPT, tiny_model], env={**env, "KVPUSH_DECODE_ATTENTION": "kernel"},
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "--decode-attention kernel: the C kernel could not be built here" in proc.stderr

@@ -83,10 +83,11 @@ def software() -> dict[str, Any]:
 
 
 def kernel_paths() -> dict[str, Any]:
-    """What the engine runs here: the C decode kernel (built on first use) or gather + SDPA, and compile."""
+    """What the engine runs here: the C attention kernels (built on first use) or SDPA, linears, compile."""
     from kvpush.config import c_compiler, compile_mode_default
 
-    return {"decode_attention": decode_attention(), "compile_default": compile_mode_default().value,
+    return {"decode_attention": decode_attention(), "prefill_attention": decode_attention(op="prefill"),
+            "compile_default": compile_mode_default().value,
             "linear_backend": linear_backend(),
             "c_compiler": shutil.which(c_compiler()) or f"{c_compiler()} (not found: no C kernel, no inductor)"}
 
@@ -119,24 +120,33 @@ def linear_backend(cache_dir: str | None = None, shown: int = 3) -> str:
     return "auto, cached: " + "; ".join(parts) + more
 
 
-def decode_attention(cache_dir: str | None = None, shown: int = 3) -> str:
-    """How decode rows attend here: forced by $KVPUSH_DECODE_ATTENTION, or what calibration chose and
-    cached on this CPU model with this torch (engine/attention_choice.py), per attention shape set."""
-    from kvpush.config import DecodeAttention, decode_attention_default, linear_cache_dir
+def decode_attention(cache_dir: str | None = None, shown: int = 3, op: str = "decode") -> str:
+    """How decode rows (op "decode") or prefill chunks ("prefill") attend here: forced by
+    $KVPUSH_DECODE_ATTENTION / $KVPUSH_PREFILL_ATTENTION, or what calibration chose and cached on this CPU
+    model with this torch (engine/attention_choice.py), per attention shape set."""
+    from kvpush.config import (
+        AttentionPath,
+        decode_attention_default,
+        linear_cache_dir,
+        prefill_attention_default,
+    )
 
+    env = f"$KVPUSH_{op.upper()}_ATTENTION"
     try:
-        default = decode_attention_default()
+        default = (decode_attention_default if op == "decode" else prefill_attention_default)()
         from kvpush.engine.attention_choice import cached_entries
-        from kvpush.layers.cpu_kernels import paged_decode_kernel
+        from kvpush.layers.cpu_kernels import paged_decode_kernel, prefill_attention
     except ValueError as error:
-        return f"unknown ($KVPUSH_DECODE_ATTENTION: {error})"
+        return f"unknown ({env}: {error})"
     except ImportError:
         return "unknown (torch missing)"
-    kernel = ("C kernel available: paged_decode (-march=native)" if paged_decode_kernel() is not None
-              else "no C kernel: gather + SDPA")
-    if default is not DecodeAttention.AUTO:
-        return f"{default.value} (forced by $KVPUSH_DECODE_ATTENTION); {kernel}"
-    entries = cached_entries(cache_dir or linear_cache_dir(), cpu())
+    name, loaded = ("paged_decode", paged_decode_kernel()) if op == "decode" else ("prefill_attention",
+                                                                                     prefill_attention())
+    kernel = (f"C kernel available: {name} (-march=native)" if loaded is not None
+              else "no C kernel: " + ("gather + SDPA" if op == "decode" else "SDPA"))
+    if default is not AttentionPath.AUTO:
+        return f"{default.value} (forced by {env}); {kernel}"
+    entries = cached_entries(cache_dir or linear_cache_dir(), cpu(), op)
     if not entries:
         return f"auto: not calibrated on this CPU with this torch yet (an engine calibrates at start-up); {kernel}"
     parts = [f"{e['path']} for heads/kv heads/head_dim/block {'/'.join(map(str, e['key']['shapes']))} "
@@ -163,7 +173,8 @@ def format_text(f: dict[str, Any]) -> str:
             ("torch", f"{s.get('torch')} (cuda: {s.get('torch_cuda')}, MKL: {s.get('mkl')}, oneDNN: "
                       f"{s.get('onednn')}), {s.get('torch_threads')} intra-op threads in this process"),
             ("nixl / UCX transports", f"{s['nixl'] or 'not installed'} / {s['ucx_tls']}"),
-            ("decode attention", k["decode_attention"]), ("compile by default", k["compile_default"]),
+            ("decode attention", k["decode_attention"]),
+            ("prefill attention", k.get("prefill_attention", "-")), ("compile by default", k["compile_default"]),
             ("linear backend", k["linear_backend"]),
             ("C compiler", k["c_compiler"])]
     width = max(len(name) for name, _ in rows)

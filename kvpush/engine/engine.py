@@ -42,6 +42,7 @@ from kvpush.engine.request import Request, RequestStatus
 from kvpush.engine.sampling_params import SamplingParams, TokenLogprob
 from kvpush.engine.scheduler import Scheduler
 from kvpush.errors import InvalidRequestError
+from kvpush.layers.cpu_kernels import PagedDecode, PrefillAttention
 from kvpush.models.loader import load_model
 from kvpush.protocol.kv_params import PrefillResult, RequestLegParams
 from kvpush.protocol.trace import Trace
@@ -92,7 +93,7 @@ class LLMEngine:
         self.eos_token_ids = set(self.arch.eos_token_ids) | _generation_eos(config.model.model)
         self.runner: StepRunner = (
             ModelRunner(self.model, self.cache, self.device, config.seed, config.compile,
-                        self._attention(config).kernel) if self.profile is None
+                        *self._attention(config)) if self.profile is None
             else emulated_runner(self.cache, self.profile, config.emulation.time_scale, config.model.model,
                                  self.arch.vocab_size, self.eos_token_ids, self.max_model_len))
         self.finished: list[EngineOutput] = []
@@ -123,11 +124,14 @@ class LLMEngine:
                                                           huge_pages=config.model.huge_pages,
                                                           linear_backend=self.linear_choice.backend)
 
-    def _attention(self, config: EngineConfig) -> AttentionChoice:
-        self.attention_choice = choose_attention(config.decode_attention, self.layout, self.arch.num_heads,
-                                                 self.device, machine.cpu())  # --decode-attention
-        log.info("%s", self.attention_choice.line())
-        return self.attention_choice
+    def _attention(self, config: EngineConfig) -> tuple[PagedDecode | None, PrefillAttention | None]:
+        """The decode and prefill kernels chosen (--decode-attention, --prefill-attention), or None (SDPA)."""
+        args = (self.layout, self.arch.num_heads, self.device, machine.cpu())
+        self.attention_choice: AttentionChoice = choose_attention(config.decode_attention, *args)
+        self.prefill_choice: AttentionChoice = choose_attention(config.prefill_attention, *args, op="prefill")
+        for choice in (self.attention_choice, self.prefill_choice):
+            log.info("%s", choice.line())
+        return self.attention_choice.kernel, self.prefill_choice.kernel
 
     def set_connector(self, connector: KVConnector) -> None:
         """Install the KV connector of a prefill or decode role (before any request)."""

@@ -21,6 +21,7 @@ from kvpush.config import (
     SchedulerConfig,
     parse_decode_attention,
     parse_linear_backend,
+    parse_prefill_attention,
 )
 from kvpush.engine.engine import LLMEngine
 from kvpush.engine.request import RequestStatus
@@ -44,7 +45,7 @@ class RequestOutput:
 
 def build_engine_config(model: str, **kwargs) -> EngineConfig:
     """EngineConfig from flat keyword arguments (dtype=, block_size=, max_num_seqs=, compile=,
-    linear_backend="auto" | "mkl" | "onednn", decode_attention="auto" | "kernel" | "sdpa", emulate=PROFILE, time_scale=S, ...)."""
+    linear_backend="auto" | "mkl" | "onednn", decode_attention= / prefill_attention="auto" | "kernel" | "sdpa", emulate=PROFILE, time_scale=S, ...)."""
     groups = {ModelConfig: {}, CacheConfig: {}, SchedulerConfig: {}}  # type: ignore[var-annotated]
     top = {}
     emulation: dict = {}
@@ -60,6 +61,8 @@ def build_engine_config(model: str, **kwargs) -> EngineConfig:
             top[key] = parse_linear_backend(value)
         elif key == "decode_attention":
             top[key] = parse_decode_attention(value)
+        elif key == "prefill_attention":
+            top[key] = parse_prefill_attention(value)
         elif key in ("emulate", "time_scale"):
             emulation[{"emulate": "profile"}.get(key, key)] = value
         else:

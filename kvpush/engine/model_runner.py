@@ -19,7 +19,7 @@ from kvpush.engine.kv_cache import KVCache
 from kvpush.engine.request import Request
 from kvpush.engine.sampling_params import SamplingParams
 from kvpush.layers.attention import AttentionMetadata, PrefillSeq
-from kvpush.layers.cpu_kernels import PagedDecode
+from kvpush.layers.cpu_kernels import PagedDecode, PrefillAttention
 from kvpush.layers.sampler import SamplingRow, sample
 from kvpush.models.decoder import CausalLM
 
@@ -55,7 +55,8 @@ class ModelInput:
 
 class ModelRunner:
     def __init__(self, model: CausalLM, cache: KVCache, device: torch.device, seed: int = 0,
-                 compile_mode: CompileMode = CompileMode.OFF, decode_kernel: PagedDecode | None = None) -> None:
+                 compile_mode: CompileMode = CompileMode.OFF, decode_kernel: PagedDecode | None = None,
+                 prefill_kernel: PrefillAttention | None = None) -> None:
         self.model = model
         self.cache = cache
         self.device = device
@@ -66,6 +67,7 @@ class ModelRunner:
         # Decode rows attend in place over the cache with the C kernel, where given (--decode-attention:
         # engine/attention_choice.py); else gather + SDPA.
         self.decode_kernel = decode_kernel
+        self.prefill_kernel = prefill_kernel  # likewise for prefill chunks (--prefill-attention)
         self.compiled = compiler.compile_model(model, compile_mode, self.warm_up)
 
     @property
@@ -156,3 +158,4 @@ class ModelRunner:
             table = torch.tensor(request.block_table[: -(-ctx // bs)], dtype=torch.long, device=self.device)
             meta.prefills.append(PrefillSeq(row, n, ctx, table))
             row += n
+        meta.prefill_kernel = self.prefill_kernel

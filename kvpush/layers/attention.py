@@ -5,7 +5,8 @@ Per layer: new K/V are written to their slots, then each sequence attends over i
 queries of decoding sequences. On CPU in fp32 they attend with one C kernel call that reads their
 K/V in place from the cache (layers/cpu_kernels.py; where every row of the batch decodes, the same C call
 also writes the new K/V rows, one call a layer); elsewhere they are batched into one padded SDPA
-call over their blocks (gathered with one contiguous-row copy per K and V). Longer queries (prefill chunks) follow, one SDPA call each; a chunk
+call over their blocks (gathered with one contiguous-row copy per K and V). Longer queries (prefill chunks) follow: on CPU in
+fp32 one C kernel call a chunk (layers/prefill_attention.c), elsewhere SDPA in 64-row pieces; a chunk
 with no earlier context attends over its fresh K/V without touching the cache.
 
 The model calls `attend(q, k, v, layer, scale)`; what a forward attends with (metadata, cache, the
@@ -26,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from kvpush.engine.kv_cache import KVCache
-from kvpush.layers.cpu_kernels import DecodeStep, PagedDecode
+from kvpush.layers.cpu_kernels import DecodeStep, PagedDecode, PrefillAttention
 
 
 @dataclass
@@ -75,6 +76,7 @@ class AttentionMetadata:
     decode_kernel: PagedDecode | None = None  # reads K/V in place (CPU fp32); None: gather + SDPA
     decode_step: DecodeStep | None = None  # every row decodes on the kernel: one C call a layer writes and attends
     prefills: list[PrefillSeq] = field(default_factory=list)
+    prefill_kernel: PrefillAttention | None = None  # a chunk's rows in one C call (CPU fp32); None: SDPA pieces
     masks: MaskCache = field(default_factory=lambda: MaskCache())  # prefill pieces' masks, for this forward
 
 
@@ -144,26 +146,28 @@ def paged_attention(
             return o
     cache.write(layer, meta.slot_rows, k, v)
     parts = [decode_batch(q, layer, meta, cache, scale)] if meta.num_decode else []
-    parts += [_prefill_one(q, k, v, seq, layer, cache, scale, meta.masks) for seq in meta.prefills]
+    parts += [prefill_one(q, k, v, seq, layer, cache, scale, meta) for seq in meta.prefills]
     return (parts[0] if len(parts) == 1 else torch.cat(parts)).contiguous()
 
 
-def _prefill_one(q, k, v, seq: PrefillSeq, layer: int, cache: KVCache, scale: float,
-                 masks: MaskCache) -> torch.Tensor:
-    """-> [query_len, H, hd]"""
+def prefill_one(q, k, v, seq: PrefillSeq, layer: int, cache: KVCache, scale: float,
+                meta: AttentionMetadata) -> torch.Tensor:
+    """One prefill chunk's attention (its K/V already in the cache) -> [query_len, H, hd]"""
     rows = slice(seq.start, seq.start + seq.query_len)
-    qi = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, q, hd]
     if seq.context_len == seq.query_len:  # no earlier context: attend over the fresh K/V directly
         ki, vi = k[rows], v[rows]
     else:
         ki, vi = cache.gather(layer, seq.block_table)  # [nb * bs, kvh, hd]
         ki, vi = ki[: seq.context_len], vi[: seq.context_len]
+    if meta.prefill_kernel is not None and (o := meta.prefill_kernel(q[rows], ki, vi, scale)) is not None:
+        return o
+    qi = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, q, hd]
     ki = ki.transpose(0, 1).unsqueeze(0)  # [1, kvh, ctx, hd]
     vi = vi.transpose(0, 1).unsqueeze(0)
     if seq.context_len == seq.query_len and not QUERY_SPLIT[0] <= seq.query_len < QUERY_SPLIT[1]:
         o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
     else:
-        o = _causal_by_query_rows(qi, ki, vi, seq.context_len - seq.query_len, scale, masks)
+        o = _causal_by_query_rows(qi, ki, vi, seq.context_len - seq.query_len, scale, meta.masks)
     return o.squeeze(0).transpose(0, 1)
 
 

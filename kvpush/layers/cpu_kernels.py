@@ -1,5 +1,7 @@
 """C kernels for the CPU path, built on first use with the system's C compiler and cached.
 
+`prefill_attention` (prefill_attention.c) attends a prefill chunk's rows over their context in one call.
+`kv_digest` (kv_digest.c) serves the emulated runner (emulate/kv_pattern.py), not the model.
 `paged_decode` (paged_decode.c) computes the attention of decode rows by reading K and V in place
 from the block-major cache, instead of gathering each sequence's blocks into a contiguous copy
 and running SDPA over it. `write_decode` first writes the new tokens' K and V rows (as `write_rows`,
@@ -30,8 +32,9 @@ from kvpush.config import c_compiler, user_cache_dir
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_decode.c")
+PREFILL_SOURCE = Path(__file__).with_name("prefill_attention.c")  # causal attention of prefill chunks
 DIGEST_SOURCE = Path(__file__).with_name("kv_digest.c")  # the emulated runner's KV read-back (KVDigest)
-SOURCES = (SOURCE, DIGEST_SOURCE)  # one library
+SOURCES = (SOURCE, PREFILL_SOURCE, DIGEST_SOURCE)  # one library
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-fPIC"]  # compile step
 # Linked in a second step without -ffast-math: linking with it adds crtfastmath.o, whose constructor
 # turns on flush-to-zero for the whole process when the library loads (found by a hypothesis test
@@ -108,6 +111,33 @@ class DecodeStep:
         return out
 
 
+class PrefillAttention:
+    """The loaded causal prefill attention (prefill_attention.c): a chunk's query rows against their context
+    in one C call, instead of SDPA per 64-row piece with an additive mask."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.fn = lib.kvpush_prefill_attention
+        self.fn.restype = ctypes.c_int
+        self.fn.argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, ctypes.c_float]
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor | None:
+        """q: [T, H, hd], k, v: [ctx, kvh, hd] fp32 on the host, each token's heads contiguous; query row t
+        at position ctx - T + t. -> [T, H, hd] contiguous, or None where the kernel does not take these
+        (another dtype or layout, a head size that is not a multiple of its vector width)."""
+        t, heads, hd = q.shape
+        ctx, kvh = k.shape[0], k.shape[1]
+        if not (q.dtype == k.dtype == v.dtype == torch.float32 and q.device.type == k.device.type == v.device.type
+                == "cpu" and _rows_contiguous(q) and _rows_contiguous(k) and _rows_contiguous(v)
+                and v.shape == k.shape and k.shape[2] == hd and 0 < t <= ctx and heads % kvh == 0):
+            return None
+        out = torch.empty((t, heads, hd), dtype=torch.float32)
+        rc = self.fn(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+                     out.data_ptr(), t, ctx, heads, kvh, hd, scale)
+        if rc == -1:
+            raise MemoryError("prefill_attention: no memory for its scratch rows")
+        return out if rc == 0 else None
+
+
 class RowWriter:
     """The loaded row copy (KVCache.write's fast path on CPU): new K and V rows into the cache with one
     C call, instead of three torch ops (~60 us a layer at one token, mostly dispatch)."""
@@ -180,9 +210,9 @@ def _build(target: Path) -> None:
         os.replace(out, target)  # atomic: processes building at once each install a whole file
 
 
-def source_hash() -> str:
-    """The kernels' source, hashed: a cached choice between the kernel and SDPA is for this source only."""
-    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
+def source_hash(source: Path = SOURCE) -> str:
+    """A kernel's source, hashed: a cached choice between that kernel and SDPA is for this source only."""
+    return hashlib.sha256(source.read_bytes()).hexdigest()[:16]
 
 
 def paged_decode_kernel() -> PagedDecode | None:
@@ -195,6 +225,12 @@ def row_writer() -> RowWriter | None:
     """The row copy, from the same library; None where it cannot be built."""
     lib = _library()
     return RowWriter(lib) if lib is not None else None
+
+
+def prefill_attention() -> PrefillAttention | None:
+    """The causal prefill attention, from the same library; None where it cannot be built."""
+    lib = _library()
+    return PrefillAttention(lib) if lib is not None else None
 
 
 def kv_digest() -> KVDigest | None:
@@ -214,6 +250,7 @@ def _library() -> ctypes.CDLL | None:
         return ctypes.CDLL(str(target))
     except (OSError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", None) or str(e)
-        log.warning("CPU decode-attention kernel unavailable (%s); decode attention gathers blocks instead",
+        log.warning("CPU attention kernels unavailable (%s); decode attention gathers blocks instead, prefill "
+                    "attention runs SDPA",
                     detail.strip().splitlines()[0] if detail.strip() else type(e).__name__)
         return None
