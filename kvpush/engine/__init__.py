@@ -10,6 +10,6 @@
     admission.py       when an instance sheds a request (429); prompt_check.py: prompt bounds
     llm.py             the offline `LLM`; device.py: --device
     linear_choice.py   --linear-backend: MKL or oneDNN-packed linears, timed at start-up per CPU, cached
-    attention_choice.py  --decode-attention: the C decode kernel or gather + SDPA, likewise;
+    attention_choice.py  --decode-attention / --prefill-attention: the C kernels or SDPA, likewise;
                        calibration.py: what the two choices share (alternating timing, the cache files)
 """
