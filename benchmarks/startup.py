@@ -3,12 +3,12 @@
     python benchmarks/startup.py [--repeats 3] [--model DIR] [--compile auto] [--out DIR]
 
 Three states of kvpush's caches (all under $XDG_CACHE_HOME/kvpush: inductor's graphs and kernels, the
-C decode kernel, the linear backend's and the decode attention's choices, engine/linear_choice.py and
-engine/attention_choice.py):
+C kernels, the linear backend's and the decode and prefill attention's choices, engine/linear_choice.py
+and engine/attention_choice.py):
 - `cold`: a fresh, empty cache directory each start (a new machine, or the first start after an
-  upgrade): inductor compiles, the C kernel builds, the linear backend and the decode attention are
+  upgrade): inductor compiles, the C kernels build, the linear backend and both attention paths are
   calibrated;
-- `calibrate`: everything cached but the two choices (removed before each start);
+- `calibrate`: everything cached but the three choices (removed before each start);
 - `cached`: everything cached (every later start).
 Each repeat starts the server once per state, the order rotating between repeats, one core
 (`taskset -c 0`), one torch thread; the warm states share one directory, filled by an unmeasured start
