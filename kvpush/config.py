@@ -93,10 +93,10 @@ def _parse_choice(cls: type[_E], value: str | _E, what: str) -> _E:
 
 class AttentionPath(StrEnum):
     """How rows of one kind attend on a CPU (layers/attention.py), chosen apart for decode rows
-    (--decode-attention) and prefill chunks (--prefill-attention): `kernel` a C kernel (fp32 CPU caches;
-    needs a C compiler: decode rows read each sequence's K/V in place from the cache, a prefill chunk's
-    rows attend over their context in one call); `sdpa` torch's scaled_dot_product_attention (decode: the
-    blocks gathered, one padded call; prefill: one call per 64-row piece); `auto` times both on the model's
+    (--decode-attention) and prefill chunks (--prefill-attention): `kernel` a C kernel, one thread (fp32 CPU
+    caches; needs a C compiler: decode rows read each sequence's K/V in place from the cache, a prefill
+    chunk's rows attend over their context in one call); `sdpa` torch's scaled_dot_product_attention
+    (decode: the blocks gathered, one padded call; prefill: 64-row pieces or one causal call); `auto` times both on the model's
     attention shapes at start-up and keeps the faster, cached per CPU model and torch version
     (engine/attention_choice.py)."""
 
@@ -125,6 +125,7 @@ def parse_decode_attention(value: str | AttentionPath) -> AttentionPath:
 
 
 def parse_prefill_attention(value: str | AttentionPath) -> AttentionPath:
+    """An AttentionPath for --prefill-attention; ValueError that lists the names."""
     return _parse_choice(AttentionPath, value, "prefill attention")
 
 

@@ -79,8 +79,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "the faster; cached per CPU model and torch version) (default: $KVPUSH_DECODE_ATTENTION, "
                         "else auto)")
     g.add_argument("--prefill-attention", default=None, choices=[b.value for b in AttentionPath],
-                   help="how prefill chunks attend on a CPU: kernel (one C call a chunk over its context; fp32), "
-                        "sdpa (one SDPA call per 64-row piece), auto (time both on the model's shapes at start-up, "
+                   help="how prefill chunks attend on a CPU: kernel (one C call a chunk over its context; fp32, one "
+                        "thread), sdpa (torch's SDPA: 64-row pieces or one causal call), auto (time both on the model's shapes at start-up, "
                         "keep the faster; cached per CPU model and torch version) (default: "
                         "$KVPUSH_PREFILL_ATTENTION, else auto)")
     g.add_argument("--emulate", default=None, metavar="PROFILE",

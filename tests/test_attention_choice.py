@@ -68,10 +68,45 @@ def test_each_path_matches_transformers(arch, path, tiny_model, llama_model):
 def test_both_paths_give_the_same_greedy_batches(tiny_model, compile_mode):
     """Continuous batches of decodes beside prefill chunks, contexts over several blocks, a prompt longer than
     a step's token budget (chunks after earlier context); each prefill path beside each decode path."""
-    ps = prompts(attention_engine(tiny_model, "sdpa").arch.vocab_size, (1, 4, 7, 13, 30, 90, 330))
+    ps = prompts(attention_engine(tiny_model, "sdpa").arch.vocab_size, (1, 4, 7, 13, 30, 90, 600))
     expected = generate(attention_engine(tiny_model, "sdpa", compile_mode), ps)
     for decode, prefill in (("kernel", "kernel"), ("kernel", "sdpa"), ("sdpa", "kernel")):
         assert generate(attention_engine(tiny_model, decode, compile_mode, prefill), ps) == expected
+
+
+@pytest.mark.parametrize("compile_mode", ["off", "on"])
+def test_the_prefill_kernel_serves_every_chunk(tiny_model, compile_mode):
+    """With the kernel chosen, every prefill chunk goes through it (none declines back to SDPA), eager and
+    compiled: a fresh prompt and a 600-token one in 200-token chunks, its last chunks after 400 tokens of
+    context, across the kernel's 512-key chunks."""
+    eng = attention_engine(tiny_model, "kernel", compile_mode)
+    kernel, served = eng.runner.prefill_kernel, []
+    assert kernel is not None
+
+    def spy(q, k, v, scale):
+        out = kernel(q, k, v, scale)
+        served.append((q.shape[0], k.shape[0], out is not None))
+        return out
+
+    eng.runner.prefill_kernel = spy
+    generate(eng, prompts(eng.arch.vocab_size, (5, 600)))
+    assert served and all(ok for *_, ok in served)
+    assert (5, 5, True) in served and any(ctx > 512 and ctx > rows for rows, ctx, _ in served)
+
+
+def test_a_head_size_the_prefill_kernel_cannot_take(tmp_path):
+    """head_dim not a multiple of the kernel's vector width: auto says why and takes SDPA, kernel forced
+    refuses to start (instead of falling back on every chunk while claiming the kernel)."""
+    from kvpush.layers.cpu_kernels import prefill_attention
+
+    width = prefill_attention().width
+    odd = ac.Shapes(4, 2, width + 4, 4)
+    auto = choose(tmp_path, FakeMeasure(0.5, 1.0), shapes=odd, op="prefill")
+    assert auto.path is DecodeAttention.SDPA and auto.source == "unavailable" and "multiple of" in auto.line()
+    with pytest.raises(ModelLoadError, match=f"--prefill-attention kernel: the C prefill kernel needs head_dim a "
+                                             f"multiple of {width}"):
+        choose(tmp_path, None, DecodeAttention.KERNEL, shapes=odd, op="prefill")
+    assert choose(tmp_path, FakeMeasure(0.5, 1.0), shapes=odd).path is DecodeAttention.KERNEL  # decode takes it
 
 
 class FakeMeasure:

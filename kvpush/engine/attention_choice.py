@@ -3,9 +3,10 @@
 
 Decode, `kernel`: the C kernel (layers/cpu_kernels.py: paged_decode) reads each sequence's K/V in place
 from the cache; `sdpa`: each sequence's blocks are gathered into a contiguous copy and one padded SDPA
-call attends over them. Prefill, `kernel`: one C call a chunk (prefill_attention) attends its rows over
-their context; `sdpa`: SDPA per 64-row piece with an additive causal mask (whole fresh prompts of 768
-rows or more: one causal SDPA call). The kernels serve CPU fp32 caches where a C compiler builds them;
+call attends over them. Prefill, `kernel`: one C call a chunk (prefill_attention, one thread) attends its
+rows over their context; `sdpa`: torch's SDPA (fresh prompts of 256-767 rows and chunks after context in
+64-row pieces with additive causal masks, other fresh prompts in one causal call). The kernels serve CPU
+fp32 caches where a C compiler builds them (the prefill one: head sizes a multiple of its vector width);
 SDPA serves everywhere, and is the only path on a GPU (the flags are CPU options there).
 
 `auto` (the default) times both at start-up with the model's attention shapes (query heads, KV heads,
@@ -142,10 +143,12 @@ def cache_key(cpu: dict[str, Any], shapes: Shapes, dtype: torch.dtype, threads: 
 
 
 def cached_entries(cache_dir: str, cpu: dict[str, Any], op: str = "decode") -> list[dict[str, Any]]:
-    """Every cached choice of `op` made on this CPU model with this torch (for `kvpush env`), newest first."""
-    here = {"cpu": cal.cpu_identity(cpu), "torch": str(torch.__version__), "format": FORMAT}
-    prefix = (_decode_op() if op == "decode" else _prefill_op()).prefix
-    return [e for e in cal.entries(cache_dir, prefix, here) if _valid(e)]
+    """Every cached choice of `op` made on this CPU model with this torch and this kernel's source (for
+    `kvpush env`), newest first."""
+    spec = _decode_op() if op == "decode" else _prefill_op()
+    here = {"cpu": cal.cpu_identity(cpu), "torch": str(torch.__version__), "format": FORMAT,
+            "kernel": source_hash(spec.source)}
+    return [e for e in cal.entries(cache_dir, spec.prefix, here) if _valid(e)]
 
 
 def _valid(entry: dict[str, Any] | None) -> bool:
@@ -169,7 +172,7 @@ def choose(requested: AttentionPath, shapes: Shapes, dtype: torch.dtype, device:
                                note=f"SDPA on {device.type}: {op.flag} applies to CPU caches")
     if requested is AttentionPath.SDPA:
         return AttentionChoice(AttentionPath.SDPA, "flag", op=op.name)
-    kernel, why = _kernel(op, dtype)
+    kernel, why = _kernel(op, dtype, shapes.head_dim)
     if kernel is None:
         if requested is AttentionPath.KERNEL:
             raise ModelLoadError(f"{op.flag} kernel: {why}")
@@ -197,11 +200,14 @@ def choose(requested: AttentionPath, shapes: Shapes, dtype: torch.dtype, device:
                            str(path), seconds, when, op=op.name)
 
 
-def _kernel(op: Op, dtype: torch.dtype) -> tuple[Kernel | None, str]:
+def _kernel(op: Op, dtype: torch.dtype, head_dim: int) -> tuple[Kernel | None, str]:
     if dtype != torch.float32:
         return None, f"the C kernel reads fp32 caches; this one is {str(dtype).removeprefix('torch.')}"
     kernel = op.load()
-    return kernel, "" if kernel is not None else "the C kernel could not be built here (see the log line above)"
+    if kernel is None:
+        return None, "the C kernel could not be built here (see the log line above)"
+    why = kernel.declines(head_dim)
+    return (None, why) if why else (kernel, "")
 
 
 def _cached(path: Path, key: dict[str, Any], kernel: Kernel, op: Op) -> AttentionChoice | None:

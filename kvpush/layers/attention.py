@@ -5,9 +5,10 @@ Per layer: new K/V are written to their slots, then each sequence attends over i
 queries of decoding sequences. On CPU in fp32 they attend with one C kernel call that reads their
 K/V in place from the cache (layers/cpu_kernels.py; where every row of the batch decodes, the same C call
 also writes the new K/V rows, one call a layer); elsewhere they are batched into one padded SDPA
-call over their blocks (gathered with one contiguous-row copy per K and V). Longer queries (prefill chunks) follow: on CPU in
-fp32 one C kernel call a chunk (layers/prefill_attention.c), elsewhere SDPA in 64-row pieces; a chunk
-with no earlier context attends over its fresh K/V without touching the cache.
+call over their blocks (gathered with one contiguous-row copy per K and V). Longer queries (prefill chunks) follow: one C kernel
+call a chunk where --prefill-attention chose it (CPU fp32; layers/prefill_attention.c), else SDPA (in
+64-row pieces, or one causal call for fresh prompts outside QUERY_SPLIT); a chunk with no earlier context
+attends over its fresh K/V without touching the cache.
 
 The model calls `attend(q, k, v, layer, scale)`; what a forward attends with (metadata, cache, the
 layer hook) is set once per forward by `forward_context`. Under torch.compile `attend` is one

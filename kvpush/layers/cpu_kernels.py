@@ -1,16 +1,18 @@
 """C kernels for the CPU path, built on first use with the system's C compiler and cached.
 
-`prefill_attention` (prefill_attention.c) attends a prefill chunk's rows over their context in one call.
-`kv_digest` (kv_digest.c) serves the emulated runner (emulate/kv_pattern.py), not the model.
-`paged_decode` (paged_decode.c) computes the attention of decode rows by reading K and V in place
-from the block-major cache, instead of gathering each sequence's blocks into a contiguous copy
-and running SDPA over it. `write_decode` first writes the new tokens' K and V rows (as `write_rows`,
-KVCache.write's fast path, does), for a forward whose every row decodes: one call a layer
-(DecodeStep). It is built once per machine with `cc -O3 -march=native -ffast-math`
-then linked, into the user cache (`~/.cache/kvpush/kernels/<hash of source, flags, compiler, CPU>.so`) and
-loaded with ctypes: no torch headers, so the build takes about a second. Where it cannot be built
-or loaded (no C compiler, another OS), `paged_decode_kernel()` returns None and attention keeps the
-gather + SDPA path, with one log line; a forward never mixes the two for the rows of one batch.
+Three sources, one library:
+- `paged_decode` (paged_decode.c) computes the attention of decode rows by reading K and V in place
+  from the block-major cache, instead of gathering each sequence's blocks into a contiguous copy and
+  running SDPA over it. `write_decode` first writes the new tokens' K and V rows (as `write_rows`,
+  KVCache.write's fast path, does), for a forward whose every row decodes: one call a layer (DecodeStep).
+- `prefill_attention` (prefill_attention.c) attends a prefill chunk's rows over their context in one call.
+- `kv_digest` (kv_digest.c) serves the emulated runner (emulate/kv_pattern.py), not the model.
+The library is built once per machine with `cc -O3 -march=native -ffast-math`, each source compiled
+apart and then linked, into the user cache (`~/.cache/kvpush/kernels/paged_decode-<hash of the sources,
+flags, compiler, CPU>.so`) and loaded with ctypes: no torch headers, so the build takes a few seconds.
+Where it cannot be built or loaded (no C compiler, another OS), every getter below returns None and
+attention keeps its SDPA paths, with one log line; a forward never mixes the two for the rows of one
+batch.
 """
 
 from __future__ import annotations
@@ -68,6 +70,10 @@ class PagedDecode:
             raise MemoryError("paged_decode: no memory for its score rows")
         return out
 
+    def declines(self, head_dim: int) -> str:
+        """"": the decode kernel takes every head size (plain loops where no vector width divides it)."""
+        return ""
+
     def bind(self, kv: torch.Tensor, rows: torch.Tensor, table: torch.Tensor,
              lens: torch.Tensor) -> DecodeStep | None:
         """The calls of one forward whose every row decodes (see DecodeStep), or None where the library lacks
@@ -113,9 +119,12 @@ class DecodeStep:
 
 class PrefillAttention:
     """The loaded causal prefill attention (prefill_attention.c): a chunk's query rows against their context
-    in one C call, instead of SDPA per 64-row piece with an additive mask."""
+    in one C call (one thread), instead of SDPA."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
+        width = lib.kvpush_prefill_width
+        width.restype, width.argtypes = ctypes.c_int, []
+        self.width = int(width())  # floats a vector: head_dim must be a multiple of it
         self.fn = lib.kvpush_prefill_attention
         self.fn.restype = ctypes.c_int
         self.fn.argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, ctypes.c_float]
@@ -123,12 +132,13 @@ class PrefillAttention:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor | None:
         """q: [T, H, hd], k, v: [ctx, kvh, hd] fp32 on the host, each token's heads contiguous; query row t
         at position ctx - T + t. -> [T, H, hd] contiguous, or None where the kernel does not take these
-        (another dtype or layout, a head size that is not a multiple of its vector width)."""
+        (another dtype or layout, a head size `declines`)."""
         t, heads, hd = q.shape
         ctx, kvh = k.shape[0], k.shape[1]
         if not (q.dtype == k.dtype == v.dtype == torch.float32 and q.device.type == k.device.type == v.device.type
                 == "cpu" and _rows_contiguous(q) and _rows_contiguous(k) and _rows_contiguous(v)
-                and v.shape == k.shape and k.shape[2] == hd and 0 < t <= ctx and heads % kvh == 0):
+                and v.shape == k.shape and k.shape[2] == hd and 0 < t <= ctx and heads % kvh == 0
+                and not self.declines(hd)):
             return None
         out = torch.empty((t, heads, hd), dtype=torch.float32)
         rc = self.fn(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
@@ -136,6 +146,13 @@ class PrefillAttention:
         if rc == -1:
             raise MemoryError("prefill_attention: no memory for its scratch rows")
         return out if rc == 0 else None
+
+
+    def declines(self, head_dim: int) -> str:
+        """Why this build cannot attend heads of `head_dim`, or "" where it can."""
+        if head_dim % self.width:
+            return f"the C prefill kernel needs head_dim a multiple of {self.width} here; this model's is {head_dim}"
+        return ""
 
 
 class RowWriter:
@@ -172,7 +189,7 @@ class KVDigest:
     def __call__(self, kv: torch.Tensor, table: torch.Tensor, start: int, end: int, w_pos: torch.Tensor,
                  w_end: torch.Tensor) -> int:
         """kv: a contiguous cache [N, L, 2, bs, kvh, hd] of 2- or 4-byte elements; table: the span's blocks
-        (int64, contiguous, covering [0, end)); w_pos [> end], w_end [L * 4]: int64. The sum, signed."""
+        (int64, contiguous, covering [0, end)); w_pos [>= end], w_end [L * 4]: int64. The sum, signed."""
         n, layers, _, bs = kv.shape[:4]
         if not (kv.is_contiguous() and kv.element_size() in (2, 4) and table.dtype == w_pos.dtype == w_end.dtype
                 == torch.int64 and table.is_contiguous() and w_pos.is_contiguous() and w_end.is_contiguous()

@@ -1,18 +1,21 @@
 /* Causal attention of a prefill chunk (fp32, one thread): every query row of the chunk against the keys up
-   to its own position, in place of SDPA called once per 64-row piece with an additive mask.
+   to its own position, in place of torch's SDPA (layers/attention.py's other path).
 
    q:   [T, H, D]     the chunk's queries; token t at q + t * q_stride, its heads contiguous
    k,v: [ctx, KVH, D] every key and value of the context, the chunk's own last; token j at k + j * k_stride
    out: [T, H, D]     contiguous
    Query row t sits at position offset + t (offset = ctx - T) and sees keys 0 .. offset + t.
 
-   Query head h attends with KV head h / (H / KVH). Per KV head, its keys are transposed once into
-   kt [D, ctx] (rows padded with zeros to whole vectors); then query vectors (row, head) in blocks of up to
-   MB: the block's scores against every key its last row sees, a vector of keys at a time (each kt load
-   serves MB queries), an exact softmax per query over the keys it sees, and the weighted sum of the value
-   rows (each value row loaded once for the block). Scores of a block: MB x ctx floats.
-   Needs D a multiple of the vector width (16 floats with AVX-512, else 8); the caller checks.
-   Built by layers/cpu_kernels.py. */
+   Query head h attends with KV head h / (H / KVH). Per KV head, the keys go in chunks of CH (512): each
+   chunk's keys are transposed into kt [CH / KC, D, KC] (zeros past the context), small enough to stay in
+   L2 while every query block that sees the chunk reads it. A query block is up to MB query vectors (row,
+   head), rows ascending; against a chunk it takes the scores of the keys its last row sees, KC keys at a
+   time (each kt load serves MB queries), exp of each score minus the query's running max (over every
+   chunk so far), and the weighted sum of the value rows (each loaded once for the block); the query's
+   running sum and output are rescaled when its max grows (the online softmax of flash attention). Scores
+   of a block: MB x CH floats. The output is divided by the sums at the end.
+   Needs D a multiple of the vector width (kvpush_prefill_width(): 16 floats with AVX-512, else 8);
+   returns -2 otherwise. Built by layers/cpu_kernels.py. */
 
 #include <math.h>
 #include <stdint.h>
@@ -41,6 +44,7 @@ typedef int vi __attribute__((vector_size(32)));
 #ifndef CH
 #define CH 512 /* keys a chunk (a multiple of KC): D x CH transposed keys, 128 KiB at D = 64 */
 #endif
+_Static_assert(CH % KC == 0, "CH must be a multiple of KC: kt and the scores hold CH keys a chunk");
 #define DC 4 /* value vectors summed at once */
 
 static inline vf loadv(const float *p) { return *(const vfu *)p; }
@@ -93,12 +97,14 @@ static inline __attribute__((always_inline)) void weighted(const float *restrict
     }
 }
 
-/* exp(x) for x <= 0 (a score minus its row's max): 2^i * e^r with x = i ln2 + r, |r| <= ln2 / 2, e^r by its
-   degree-6 Taylor polynomial (relative error under 2e-7, as libm's expf to a few ulp); exp(x) = 0 below
-   -87 (where 2^i would underflow), as a float's exp is there. */
+/* exp(x) for x <= 0 (a score minus its query's max): 2^i * e^r with x = i ln2 + r, |r| <= ln2 / 2, e^r by its
+   degree-6 Taylor polynomial (relative error of a few 1e-7, as libm's expf to a few ulp). x is clamped to
+   [-87, 0] first: e^-87 (1.6e-38, still a normal float) stands for anything smaller, and scores past a
+   query's last key (masked to 0 by the caller) never reach the float-to-int conversion out of range. */
 static inline vf vexp(vf x) {
-    const vf lo = splat(-87.0f);
+    const vf lo = splat(-87.0f), hi = splat(0.0f);
     x = sel(x < lo, lo, x);
+    x = sel(x > hi, hi, x);
     const vf t = x * 1.44269504f + 0.5f;
     vf fi = __builtin_convertvector(__builtin_convertvector(t, vi), vf);
     fi -= sel(fi > t, splat(1.0f), splat(0.0f)); /* floor(t) = round(x / ln2) */
@@ -166,6 +172,9 @@ static void block(const float *qb, const int64_t *seen, int M, const float *kt, 
     for (int m = 0; m < M; m++)
         for (int64_t d = 0; d < D; d++) o[m][d] = o[m][d] * corr[m] + part[m * D + d];
 }
+
+/* The vector width in floats: D must be a multiple of it. */
+int kvpush_prefill_width(void) { return W; }
 
 /* Returns 0; -1 if scratch memory could not be allocated, -2 if D is not a multiple of the vector width
    (nothing written then). Strides are in floats. */
