@@ -26,6 +26,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -245,14 +246,8 @@ def measure_paths(shapes: Shapes, dtype: torch.dtype, kernel: PagedDecode) -> Ti
             fast = AttentionMetadata(torch.empty(0, dtype=torch.long), w.batch, table, lens, decode_kernel=kernel)
             mask = (torch.arange(nb * bs).unsqueeze(0) < lens.unsqueeze(1))[:, None, None, :]  # [B, 1, 1, nb * bs]
             gather = AttentionMetadata(torch.empty(0, dtype=torch.long), w.batch, table, lens, mask)
-
-            def kernel_call(meta=fast, q=q, cache=cache) -> None:
-                decode_batch(q, 0, meta, cache, scale)
-
-            def sdpa_call(meta=gather, q=q, cache=cache) -> None:
-                decode_batch(q, 0, meta, cache, scale)
-
-            out[w.name] = cal.alternate(kernel_call, sdpa_call)
+            out[w.name] = cal.alternate(partial(decode_batch, q, 0, fast, cache, scale),
+                                        partial(decode_batch, q, 0, gather, cache, scale))
     return out
 
 
@@ -272,12 +267,6 @@ def measure_prefill(shapes: Shapes, dtype: torch.dtype, kernel: PrefillAttention
                     for _ in range(2))  # [T, kvh, hd]
             fast = AttentionMetadata(torch.empty(0, dtype=torch.long), prefill_kernel=kernel)
             plain = AttentionMetadata(torch.empty(0, dtype=torch.long))
-
-            def kernel_call(meta=fast, q=q, k=k, v=v, seq=seq, cache=cache) -> None:
-                prefill_one(q, k, v, seq, 0, cache, scale, meta)
-
-            def sdpa_call(meta=plain, q=q, k=k, v=v, seq=seq, cache=cache) -> None:
-                prefill_one(q, k, v, seq, 0, cache, scale, meta)
-
-            out[w.name] = cal.alternate(kernel_call, sdpa_call)
+            out[w.name] = cal.alternate(partial(prefill_one, q, k, v, seq, 0, cache, scale, fast),
+                                        partial(prefill_one, q, k, v, seq, 0, cache, scale, plain))
     return out

@@ -87,7 +87,7 @@ def measured_line(source: str, seconds: float, when: str, path: str | None, timi
     return f"({how}, {path}); ms {a} / {b}: {times}; {b} / {a} {ratio(timings):.2f}"
 
 
-def alternate(a: Callable[[], None], b: Callable[[], None]) -> tuple[float, float]:
+def alternate(a: Callable[[], object], b: Callable[[], object]) -> tuple[float, float]:
     """Median ms of one call of a and of b, timed in alternating rounds."""
     reps = []
     for fn in (a, b):  # warm: first touch of every buffer, a library's primitive for this shape

@@ -37,6 +37,7 @@ SOURCE = Path(__file__).with_name("paged_decode.c")
 PREFILL_SOURCE = Path(__file__).with_name("prefill_attention.c")  # causal attention of prefill chunks
 DIGEST_SOURCE = Path(__file__).with_name("kv_digest.c")  # the emulated runner's KV read-back (KVDigest)
 SOURCES = (SOURCE, PREFILL_SOURCE, DIGEST_SOURCE)  # one library
+HEADER = Path(__file__).with_name("cpu_vec.h")  # the vector types paged_decode.c and prefill_attention.c share
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-fPIC"]  # compile step
 # Linked in a second step without -ffast-math: linking with it adds crtfastmath.o, whose constructor
 # turns on flush-to-zero for the whole process when the library loads (found by a hypothesis test
@@ -228,8 +229,9 @@ def _build(target: Path) -> None:
 
 
 def source_hash(source: Path = SOURCE) -> str:
-    """A kernel's source, hashed: a cached choice between that kernel and SDPA is for this source only."""
-    return hashlib.sha256(source.read_bytes()).hexdigest()[:16]
+    """A kernel's source (with the header it includes), hashed: a cached choice between that kernel and
+    SDPA is for this source only."""
+    return hashlib.sha256(source.read_bytes() + HEADER.read_bytes()).hexdigest()[:16]
 
 
 def paged_decode_kernel() -> PagedDecode | None:
@@ -258,7 +260,7 @@ def kv_digest() -> KVDigest | None:
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    key = hashlib.sha256("\0".join([*(source.read_text() for source in SOURCES), *FLAGS, *LINK, c_compiler(), platform.machine(),
+    key = hashlib.sha256("\0".join([*(source.read_text() for source in (*SOURCES, HEADER)), *FLAGS, *LINK, c_compiler(), platform.machine(),
                                     _cpu_signature()]).encode()).hexdigest()[:16]
     target = Path(user_cache_dir("kernels")) / f"paged_decode-{key}.so"
     try:

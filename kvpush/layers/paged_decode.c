@@ -26,20 +26,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__AVX512F__)
-#define W 16 /* floats a vector */
-typedef float vf __attribute__((vector_size(64)));
-typedef float vfu __attribute__((vector_size(64), aligned(4), may_alias)); /* unaligned access */
-typedef int vi __attribute__((vector_size(64)));
-#else
-#define W 8
-typedef float vf __attribute__((vector_size(32)));
-typedef float vfu __attribute__((vector_size(32), aligned(4), may_alias));
-typedef int vi __attribute__((vector_size(32)));
-#endif
+#include "cpu_vec.h"
 
-static inline vf loadv(const float *p) { return *(const vfu *)p; }
-static inline void storev(float *p, vf v) { *(vfu *)p = v; }
 
 #if W == 16 /* 256-bit vectors too, for head sizes that are a multiple of 8 but not of 16 */
 typedef float v8 __attribute__((vector_size(32)));

@@ -22,17 +22,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__AVX512F__)
-#define W 16
-typedef float vf __attribute__((vector_size(64)));
-typedef float vfu __attribute__((vector_size(64), aligned(4), may_alias));
-typedef int vi __attribute__((vector_size(64)));
-#else
-#define W 8
-typedef float vf __attribute__((vector_size(32)));
-typedef float vfu __attribute__((vector_size(32), aligned(4), may_alias));
-typedef int vi __attribute__((vector_size(32)));
-#endif
+#include "cpu_vec.h"
 
 #ifndef MB
 #define MB 6 /* query vectors a block */
@@ -47,8 +37,6 @@ typedef int vi __attribute__((vector_size(32)));
 _Static_assert(CH % KC == 0, "CH must be a multiple of KC: kt and the scores hold CH keys a chunk");
 #define DC 4 /* value vectors summed at once */
 
-static inline vf loadv(const float *p) { return *(const vfu *)p; }
-static inline void storev(float *p, vf v) { *(vfu *)p = v; }
 static inline vf splat(float x) { return (vf){0} + x; }
 static inline vf sel(vi m, vf a, vf b) { return (vf)(((vi)a & m) | ((vi)b & ~m)); } /* m ? a : b, per lane */
 
