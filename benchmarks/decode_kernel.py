@@ -2,7 +2,7 @@
 
     python benchmarks/decode_kernel.py --against REV [--repeats 40]
 
-Builds the kernel's source at REV (`git show REV:kvpush/layers/paged_decode.c`) with the same flags
+Builds the kernel's source at REV (`git show REV:kvpush/layers/paged_decode.c`, and its cpu_vec.h) with the same flags
 as layers/cpu_kernels.py, loads both, checks they agree, then times one call of each per repeat,
 alternating, for a few batch shapes of the bench preset's attention (6 query heads over 3 KV heads
 of 64, block 16, 8 layers, the KV cache on huge pages, block tables shuffled). Before every call a
@@ -35,8 +35,10 @@ LAYERS, BLOCK, KV_HEADS, HEAD, HEADS = 8, 16, 3, 64, 6
 
 def build_at(rev: str, workdir: Path) -> cpu_kernels.PagedDecode:
     source = workdir / "paged_decode.c"
-    source.write_text(subprocess.run(["git", "show", f"{rev}:kvpush/layers/paged_decode.c"], check=True,
-                                     capture_output=True, text=True).stdout)
+    for name in ("paged_decode.c", "cpu_vec.h"):  # the header from 3024a3e on; before, none was included
+        shown = subprocess.run(["git", "show", f"{rev}:kvpush/layers/{name}"], capture_output=True, text=True)
+        if shown.returncode == 0:
+            (workdir / name).write_text(shown.stdout)
     obj, lib = workdir / "kernel.o", workdir / "kernel.so"
     subprocess.run([c_compiler(), *cpu_kernels.FLAGS, "-c", str(source), "-o", str(obj)], check=True)
     subprocess.run([c_compiler(), str(obj), "-o", str(lib), *cpu_kernels.LINK], check=True)

@@ -25,15 +25,15 @@ class CountingLayers:
     """Counts forwards that ran the compiled layers, by token count (so a test knows what it exercised)."""
 
     def __init__(self, eng: LLMEngine) -> None:
-        inner = eng.model.compiled_layers
+        inner = eng.model.compiled_forward
         assert inner is not None
         self.tokens: list[int] = []
 
-        def counted(model, input_ids, positions):
+        def counted(model, input_ids, positions, logit_rows):
             self.tokens.append(input_ids.shape[0])
-            return inner(model, input_ids, positions)
+            return inner(model, input_ids, positions, logit_rows)
 
-        eng.model.compiled_layers = counted
+        eng.model.compiled_forward = counted
 
 
 def compiled_engine(model: str) -> LLMEngine:

@@ -54,6 +54,28 @@ def test_kernel_equals_gather_and_sdpa(heads, kv_heads, head_dim, block_size):
         torch.testing.assert_close(out, reference(q, kv, table, lens, layer, head_dim**-0.5), rtol=1e-5, atol=1e-5)
 
 
+@needs_kernel
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [
+    (32, 1, 16),  # 1 vector a head: up to 16 query heads a pass over V, two passes here
+    (12, 2, 64),  # 4 vectors: 6 query heads a KV head, in passes of 4 and 2
+    (6, 2, 96),  # 6 vectors: 3 query heads, passes of 2 and 1
+    (8, 1, 128),  # 8 vectors: passes of 2 heads
+    (4, 2, 144),  # over 128: the plain path
+])
+def test_tiles_and_head_groups_equal_gather_and_sdpa(heads, kv_heads, head_dim):
+    """The 16-token tiles (contexts ending inside, on and just past a tile) and the query heads of a KV head
+    taken a few at a time, on every head size the vector path has (and one it leaves to the plain path)."""
+    g = torch.Generator().manual_seed(heads + head_dim)
+    num_blocks, block_size = 48, 8
+    kv = torch.randn(num_blocks, 2, 2, block_size, kv_heads, head_dim, generator=g)
+    lens = torch.tensor([1, 15, 16, 17, 31, 33, 64])
+    table = torch.stack([torch.randperm(num_blocks, generator=g)[:8] for _ in lens])
+    q = torch.randn(len(lens), heads, head_dim, generator=g)
+    scale = head_dim**-0.5
+    torch.testing.assert_close(kernel(q, kv, table, lens, 1, scale), reference(q, kv, table, lens, 1, scale),
+                               rtol=1e-5, atol=1e-5)
+
+
 def build_variant(tmp_path, extra: list[str]):
     """The kernel built from the current source with `extra` compile flags (e.g. no AVX-512)."""
     import ctypes

@@ -54,8 +54,8 @@ def ours_logits(eng: LLMEngine, tokens: list[int]) -> torch.Tensor:
     assert eng.block_manager.allocate(req, len(tokens))
     batch = eng.runner.prepare([(req, len(tokens))])
     with torch.inference_mode():
-        out = eng.model(batch.input_ids, batch.positions, batch.meta, eng.cache,
-                        torch.arange(len(tokens), device=eng.device))
+        out, _ = eng.model(batch.input_ids, batch.positions, batch.meta, eng.cache,
+                           torch.arange(len(tokens), device=eng.device))
     eng.block_manager.free(req)
     return out.cpu()
 

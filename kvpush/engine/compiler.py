@@ -1,8 +1,9 @@
 """torch.compile of the model's layers with inductor, and the warm-up that compiles them up front.
 
-`decoder_layers` (models/decoder.py: embedding and every layer) compiles into one graph with the
-token count as a symbolic size (dim 0 of input_ids and positions), so the same graph serves every
-batch. The size is *unbacked* (mark_unbacked): dynamo would otherwise specialise sizes 0 and 1 and
+`decoder_logits` (models/decoder.py: embedding, every layer, the sampled rows' final norm, LM head and
+greedy tokens) compiles into one graph with the token count (dim 0 of input_ids and positions) and
+the sampled rows' count (dim 0 of logit_rows) as symbolic sizes, so the same graph serves every
+batch. The sizes are *unbacked* (mark_unbacked): dynamo would otherwise specialise sizes 0 and 1 and
 compile a second graph for the one-token batch (one decoding sequence), which cost ~7 s of a cold
 start (of ~31 s, 2026-12-07) and measured no faster (benchmarks/engine_ab.py-style A/B, decode 1:
 0.95 [0.94, 1.02], cannot tell). The inputs must each own their storage (a view's storage offset
@@ -32,12 +33,12 @@ import torch
 
 from kvpush.config import CompileMode, apply_compile_environment
 from kvpush.errors import CompileError
-from kvpush.models.decoder import CausalLM, decoder_layers
+from kvpush.models.decoder import CausalLM, decoder_logits
 
 log = logging.getLogger(__name__)
 
 WARM_UP_TOKENS = (2,)  # one forward compiles the one graph
-RECOMPILE_LIMIT = 64  # graphs of decoder_layers; engines in one process (tests) each add a few
+RECOMPILE_LIMIT = 64  # graphs of decoder_logits; engines in one process (tests) each add a few
 _num_graphs = 0
 _variant: dict[str, bool] = {}  # set by separate_graphs() (benchmarks' A/B)
 
@@ -56,15 +57,18 @@ def _counting_inductor(gm: torch.fx.GraphModule, example_inputs: list) -> Callab
 
 
 def _compile(fn: Callable) -> Callable:
-    """fn(model, input_ids, positions) compiled with the token count (dim 0 of both tensors)
-    symbolic, never specialised, and every other size, weights' included, static."""
+    """fn(model, input_ids, positions, logit_rows) compiled with the token count (dim 0 of the first two
+    tensors) and the rows' count (dim 0 of logit_rows) symbolic, never specialised, and every other size,
+    weights' included, static."""
     compiled = torch.compile(fn, backend=_counting_inductor, dynamic=None)
     mark = torch._dynamo.decorators.mark_unbacked
 
-    def run(model, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def run(model, input_ids: torch.Tensor, positions: torch.Tensor,
+            logit_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         mark(input_ids, 0)
         mark(positions, 0)
-        return compiled(model, input_ids, positions)
+        mark(logit_rows, 0)
+        return compiled(model, input_ids, positions, logit_rows)
 
     return run
 
@@ -106,13 +110,13 @@ def compile_model(model: CausalLM, mode: CompileMode, warm_up: Callable[[int], N
     # Without this the warm-up's token count would be unified with any weight dimension of the same
     # size (duck shaping) and the graph specialised to it: every other count would recompile.
     torch.fx.experimental._config.use_duck_shape = False
-    model.compiled_layers = _compile(_own_copy(decoder_layers) if _variant else decoder_layers)
+    model.compiled_forward = _compile(_own_copy(decoder_logits) if _variant else decoder_logits)
     try:
         with torch._inductor.config.patch(cpp_wrapper=cpp_wrapper):
             for tokens in WARM_UP_TOKENS:
                 warm_up(tokens)
     except (torch._dynamo.exc.TorchDynamoException, RuntimeError, OSError) as e:
-        model.compiled_layers = None
+        model.compiled_forward = None
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         if mode is CompileMode.ON:
             raise CompileError(f"--compile on, but the model cannot be compiled here: {reason}") from e

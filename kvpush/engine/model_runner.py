@@ -94,10 +94,10 @@ class ModelRunner:
         Returns request id -> sampled token for those requests (partial prefill chunks sample nothing).
         """
         batch = self.prepare(scheduled)
-        logits = self.model(batch.input_ids, batch.positions, batch.meta, self.cache, batch.logit_rows,
-                            self.layer_hook)  # [S, vocab]
+        logits, greedy = self.model(batch.input_ids, batch.positions, batch.meta, self.cache, batch.logit_rows,
+                                    self.layer_hook)  # [S, vocab], [S]
         rows = [SamplingRow(r.sampling_params, r.num_output_tokens, r.generator) for r in batch.sampled]
-        out = sample(logits.cpu(), rows, self.generator)
+        out = sample(logits.cpu(), rows, self.generator, greedy.cpu())
         for request, logprob in zip(batch.sampled, out.logprobs, strict=True):
             if logprob is not None:
                 request.output_logprobs.append(logprob)

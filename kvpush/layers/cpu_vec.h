@@ -1,4 +1,4 @@
-/* Vector types the CPU kernels share (paged_decode.c, prefill_attention.c): W floats a vector, 512-bit
+/* Vector types and helpers the CPU kernels share (paged_decode.c, prefill_attention.c): W floats a vector, 512-bit
    where the CPU has AVX-512, else 256-bit, and unaligned loads and stores. Built by layers/cpu_kernels.py. */
 #ifndef KVPUSH_CPU_VEC_H
 #define KVPUSH_CPU_VEC_H
@@ -17,5 +17,30 @@ typedef int vi __attribute__((vector_size(32)));
 
 static inline vf loadv(const float *p) { return *(const vfu *)p; }
 static inline void storev(float *p, vf v) { *(vfu *)p = v; }
+static inline vf splat(float x) { return (vf){0} + x; }
+static inline vf sel(vi m, vf a, vf b) { return (vf)(((vi)a & m) | ((vi)b & ~m)); } /* m ? a : b, per lane */
+
+/* exp(x) for x <= 0 (a score minus its query's max): 2^i * e^r with x = i ln2 + r, |r| <= ln2 / 2, e^r by its
+   degree-6 Taylor polynomial (relative error of a few 1e-7, as libm's expf to a few ulp). x is clamped to
+   [-87, 0] first: e^-87 (1.6e-38, still a normal float) stands for anything smaller, and scores past a
+   query's last key (masked to 0 by the caller) never reach the float-to-int conversion out of range. */
+static inline vf vexp(vf x) {
+    const vf lo = splat(-87.0f), hi = splat(0.0f);
+    x = sel(x < lo, lo, x);
+    x = sel(x > hi, hi, x);
+    const vf t = x * 1.44269504f + 0.5f;
+    vf fi = __builtin_convertvector(__builtin_convertvector(t, vi), vf);
+    fi -= sel(fi > t, splat(1.0f), splat(0.0f)); /* floor(t) = round(x / ln2) */
+    const vf r = (x - fi * 0.693145752f) - fi * 1.42860677e-6f;
+    vf p = splat(1.0f / 720);
+    p = p * r + 1.0f / 120;
+    p = p * r + 1.0f / 24;
+    p = p * r + 1.0f / 6;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    const vi bits = (__builtin_convertvector(fi, vi) + 127) << 23;
+    return p * (vf)bits;
+}
 
 #endif

@@ -7,18 +7,19 @@
    out:   [B, H, D]
 
    Query head h attends with KV head h / (H / KVH), as torch's scaled_dot_product_attention with
-   enable_gqa. Per sequence, one pass over its context's K rows (each token's row of every KV head read
-   once, in cache order, a few rows prefetched ahead) scores every query head; a softmax per head; then
-   one pass over the V rows accumulates every head's output. Vectors are 512-bit where the CPU has
-   AVX-512, else 256-bit. A decode step is bound by memory here, not arithmetic: the rows come from
-   beyond L2, and reading them once, in order, is what counts.
-   `python benchmarks/decode_kernel.py --against 6ce5721 --repeats 60` (the previous version: a pass
-   over the context per KV head, 256-bit; 6 heads over 3 of 64, block 16; Intel fam 6 model 167,
-   2026-12-07): new / old 0.95 [0.92, 0.96] at 16 sequences x 96 tokens, 0.89 [0.86, 0.91] at 16 x 500,
-   0.91 [0.89, 0.92] at 64 x 200, cannot tell at one sequence of 100 (0.97 [0.90, 1.06]). Grouping the
-   query heads of a KV head over that version's layout instead measured no better (1.04 at 16 x 96).
-   Head sizes that are a multiple of 8 but not of 16 take 256-bit vectors there; sizes that are not a
-   multiple of 8, plain loops.
+   enable_gqa. Per sequence: the scores of every query head, a softmax per head, then the weighted sum of
+   the V rows. Where the CPU has AVX-512 and the head size is a multiple of 16 floats up to 128 (attend16):
+   one pass over the context's K rows (each token's row of every KV head read once, in cache order, a few
+   rows prefetched ahead) keeps each head's products of a token as a vector, and a tile of 16 tokens is
+   summed across lanes at once (hsum16); exp over the tiles is vectorised and the sums divide the outputs
+   at the end; then per KV head one pass over its V rows accumulates up to 16 / (D / 16) of its query
+   heads' outputs in registers. Other head sizes and 256-bit CPUs take attend_plain: per token a dot
+   product and horizontal sum per head, per token an update of every head's output row in memory.
+   A decode step is bound by memory here, not arithmetic, once the rows come from beyond L2.
+   `python benchmarks/decode_kernel.py --against 3024a3e --repeats 60` (6 heads over 3 of 64, block 16,
+   rows from beyond L2; Intel fam 6 model 167, 2026-12-07): attend16 / attend_plain 0.918 [0.893, 0.937] at
+   16 sequences x 96 tokens, 0.908 [0.882, 0.923] at 16 x 500, 0.908 [0.891, 0.919] at 64 x 200, cannot tell
+   at one sequence of 100 (0.970 [0.937, 1.009]).
    Built by layers/cpu_kernels.py. */
 
 #include <math.h>
@@ -117,41 +118,181 @@ static inline void prefetch_row(const float *r, int64_t floats) {
     for (int64_t f = 0; f < floats; f += 16) __builtin_prefetch(r + f, 0, 3);
 }
 
+/* One sequence, any head size: per token, every query head's score (a dot product and its horizontal sum);
+   a softmax per head; per token, every head's output row += weight * V row (outputs in memory). */
+static void attend_plain(const float *qb, const float **krows, int64_t len, int64_t H, int64_t KVH, int64_t D,
+                         int64_t v_off, float scale, float *p, int64_t ps, float *ob) {
+    const int64_t G = H / KVH, row = KVH * D;
+    for (int64_t i = 0; i < H * D; i++) ob[i] = 0.0f;
+    for (int64_t j = 0; j < len; j++) {
+        prefetch_row(krows[j + AHEAD], row);
+        for (int64_t g = 0, h = 0; g < KVH; g++)  /* query head h = g * G + i uses KV head g */
+            for (int64_t i = 0; i < G; i++, h++) p[h * ps + j] = dot(qb + h * D, krows[j] + g * D, D) * scale;
+    }
+    for (int64_t h = 0; h < H; h++) softmax(p + h * ps, len);
+    for (int64_t j = 0; j < len; j++) {
+        prefetch_row(krows[j + AHEAD] + v_off, row);
+        for (int64_t g = 0, h = 0; g < KVH; g++)
+            for (int64_t i = 0; i < G; i++, h++) axpy(ob + h * D, p[h * ps + j], krows[j] + v_off + g * D, D);
+    }
+}
+
+#if W == 16
+#include <immintrin.h>
+#define TILE 16 /* tokens scored at once */
+
+/* The horizontal sums of a[0 .. 16): lane t of the result is the sum of a[t]'s lanes. Four rounds fold pairs of
+   vectors into one (15 adds and 30 shuffles for the 16 sums, where one sum alone takes 4 of each); the last
+   round leaves the sums in the order PERM undoes. */
+static inline vf hsum16(const vf *a) {
+    __m512 b[8], c[4], d[2];
+    for (int k = 0; k < 8; k++) {  /* b[k]: 8 partial sums of a[k], then 8 of a[k + 8] */
+        const __m512 x = (__m512)a[k], y = (__m512)a[k + 8];
+        b[k] = _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x44), _mm512_shuffle_f32x4(x, y, 0xEE));
+    }
+    for (int k = 0; k < 4; k++)  /* c[k]: 4 partials of a[k], a[k + 8], a[k + 4], a[k + 12] */
+        c[k] = _mm512_add_ps(_mm512_shuffle_f32x4(b[k], b[k + 4], 0x88), _mm512_shuffle_f32x4(b[k], b[k + 4], 0xDD));
+    for (int k = 0; k < 2; k++)  /* d[k]: per 128-bit lane, 2 partials of c[k]'s vector, 2 of c[k + 2]'s */
+        d[k] = _mm512_add_ps(_mm512_shuffle_ps(c[k], c[k + 2], 0x44), _mm512_shuffle_ps(c[k], c[k + 2], 0xEE));
+    const __m512 e = _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xDD));
+    const __m512i perm = _mm512_setr_epi32(0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15);
+    return (vf)_mm512_permutexvar_ps(perm, e);
+}
+
+/* p[h * ps + j] = scale * q_h . K_j for every head h and token j < len (D = DW vectors), TILE tokens at a time:
+   per token each head's products stay a vector (in S, [H][TILE]) and hsum16 sums a tile's at once. Past len, up
+   to the tile's end, p gets zeros (ps: a multiple of TILE). */
+static inline __attribute__((always_inline)) void scores16(const float *qb, const float **krows, int64_t len,
+                                                           int64_t H, int64_t KVH, const int DW, float scale,
+                                                           vf *S, float *p, int64_t ps) {
+    const int64_t D = DW * W, G = H / KVH;
+    for (int64_t j0 = 0; j0 < len; j0 += TILE) {
+        const int64_t n = len - j0 < TILE ? len - j0 : TILE;
+        for (int64_t t = 0; t < n; t++) {
+            prefetch_row(krows[j0 + t + AHEAD], KVH * D);
+            for (int64_t g = 0, h = 0; g < KVH; g++) {
+                vf k[8];
+                for (int c = 0; c < DW; c++) k[c] = loadv(krows[j0 + t] + g * D + c * W);
+                for (int64_t i = 0; i < G; i++, h++) {
+                    vf acc = loadv(qb + h * D) * k[0];
+                    for (int c = 1; c < DW; c++) acc += loadv(qb + h * D + c * W) * k[c];
+                    S[h * TILE + t] = acc;
+                }
+            }
+        }
+        for (int64_t h = 0; h < H; h++) {
+            for (int64_t t = n; t < TILE; t++) S[h * TILE + t] = (vf){0};
+            storev(p + h * ps + j0, hsum16(S + h * TILE) * scale);
+        }
+    }
+}
+
+/* ob[h] = inv[h] * the sum over tokens j < len of p[h * ps + j] * V_j (KV head h / G), per KV head and up to 16 / DW of its
+   query heads at a time, their output rows in registers across the tokens */
+static inline __attribute__((always_inline)) void values16(const float *p, int64_t ps, const float **krows,
+                                                           int64_t len, int64_t H, int64_t KVH, const int DW,
+                                                           int64_t v_off, const float *inv, float *ob) {
+    enum { GB = 16 };  /* bound on heads at a time; the loops below stop at gb <= 16 / DW */
+    const int64_t D = DW * W, G = H / KVH, gb_max = 16 / DW;
+    for (int64_t g = 0; g < KVH; g++)
+        for (int64_t h0 = g * G; h0 < (g + 1) * G; h0 += gb_max) {
+            const int64_t gb = (g + 1) * G - h0 < gb_max ? (g + 1) * G - h0 : gb_max;
+            vf acc[GB][8];
+            for (int i = 0; i < 16 / DW; i++)
+                for (int c = 0; c < DW; c++) acc[i][c] = (vf){0};
+            for (int64_t j = 0; j < len; j++) {
+                const float *v = krows[j] + v_off + g * D;
+                prefetch_row(krows[j + AHEAD] + v_off + g * D, D);
+                vf x[8];
+                for (int c = 0; c < DW; c++) x[c] = loadv(v + c * W);
+                for (int i = 0; i < 16 / DW; i++) {
+                    if (i >= gb) break;
+                    const vf w = (vf){0} + p[(h0 + i) * ps + j];
+                    for (int c = 0; c < DW; c++) acc[i][c] += w * x[c];
+                }
+            }
+            for (int i = 0; i < gb; i++)
+                for (int c = 0; c < DW; c++) storev(ob + (h0 + i) * D + c * W, acc[i][c] * inv[h0 + i]);
+        }
+}
+
+/* p[0 .. len) = exp(p - their max), zeros from len to the tile's end; returns 1 / their sum */
+static float exp_tiles(float *p, int64_t len) {
+    vf idx, mv = splat(-3.0e38f);
+    for (int i = 0; i < W; i++) idx[i] = (float)i;
+    for (int64_t j = 0; j < len; j += TILE) {
+        const vf x = loadv(p + j);
+        mv = sel(x > mv & idx + (float)j < (float)len, x, mv);
+    }
+    float mx = mv[0];
+    for (int i = 1; i < W; i++) mx = mv[i] > mx ? mv[i] : mx;
+    vf acc = {0};
+    for (int64_t j = 0; j < len; j += TILE) {
+        const vf e = sel(idx + (float)j < (float)len, vexp(loadv(p + j) - mx), splat(0.0f));
+        storev(p + j, e);
+        acc += e;
+    }
+    return 1.0f / hsum(acc);
+}
+
+/* One sequence, head size DW vectors (1 to 8): scores16, exp_tiles per head, values16 (which divides by the
+   sums). */
+static inline __attribute__((always_inline)) void attend16(const float *qb, const float **krows, int64_t len,
+                                                           int64_t H, int64_t KVH, const int DW, int64_t v_off,
+                                                           float scale, vf *S, float *p, int64_t ps, float *ob) {
+    float inv[H];
+    scores16(qb, krows, len, H, KVH, DW, scale, S, p, ps);
+    for (int64_t h = 0; h < H; h++) inv[h] = exp_tiles(p + h * ps, len);
+    values16(p, ps, krows, len, H, KVH, DW, v_off, inv, ob);
+}
+
+/* attend16 for this head size, or 0 where it has none (a head size not a multiple of 16 floats, or over 128) */
+static int attend_vec(const float *qb, const float **krows, int64_t len, int64_t H, int64_t KVH, int64_t D,
+                      int64_t v_off, float scale, vf *S, float *p, int64_t ps, float *ob) {
+    switch (D % W ? 0 : D / W) {
+#define CASE(n) case n: attend16(qb, krows, len, H, KVH, n, v_off, scale, S, p, ps, ob); return 1;
+        CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
+#undef CASE
+        default: return 0;
+    }
+}
+#endif
+
 /* Returns 0, or -1 if scratch memory could not be allocated. */
 int kvpush_paged_decode(const float *q, const float *kv, const int64_t *table, const int64_t *lens, float *out,
                         int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t num_layers, int64_t block_size,
                         int64_t nb, int64_t layer, float scale) {
-    const int64_t G = H / KVH;                                /* query heads per KV head */
     const int64_t row = KVH * D;                              /* floats per token row of one K or V */
     const int64_t block = num_layers * 2 * block_size * row;  /* floats per block */
-    const int64_t layer_off = layer * 2 * block_size * row;
+    const int64_t layer_off = layer * 2 * block_size * row, v_off = block_size * row;
     int64_t max_len = 1;
     for (int64_t b = 0; b < B; b++) max_len = lens[b] > max_len ? lens[b] : max_len;
-    float *p = malloc(sizeof(float) * (size_t)(max_len * H));  /* every head's scores, then its weights */
+    const int64_t ps = (max_len + 15) / 16 * 16;  /* floats a head's scores take: whole tiles */
+    float *p = malloc(sizeof(float) * (size_t)(ps * H));  /* every head's scores, then its weights */
     const float **krows = malloc(sizeof(float *) * (size_t)(max_len + AHEAD));  /* token j's K row, all heads */
-    const int rc = p && krows ? 0 : -1;
+    vf *S = aligned_alloc(64, sizeof(vf) * (size_t)(16 * H));  /* a tile's products, [H][16] */
+    const int rc = p && krows && S ? 0 : -1;
     for (int64_t b = 0; b < B && rc == 0; b++) {
         const int64_t len = lens[b], *blocks = table + b * nb;
         const float *qb = q + b * H * D;
         float *ob = out + b * H * D;
-        for (int64_t i = 0; i < H * D; i++) ob[i] = 0.0f;
-        if (len < 1) continue; /* never from the engine: the query's own token is in its context */
-        for (int64_t j = 0; j < len; j++)
-            krows[j] = kv + blocks[j / block_size] * block + layer_off + (j % block_size) * row;
+        if (len < 1) {  /* never from the engine: the query's own token is in its context */
+            for (int64_t i = 0; i < H * D; i++) ob[i] = 0.0f;
+            continue;
+        }
+        for (int64_t j0 = 0, i = 0; j0 < len; j0 += block_size, i++) {  /* no division per token */
+            const float *base = kv + blocks[i] * block + layer_off;
+            for (int64_t j = j0; j < j0 + block_size && j < len; j++) krows[j] = base + (j - j0) * row;
+        }
         for (int64_t j = len; j < len + AHEAD; j++) krows[j] = krows[len - 1];
-        for (int64_t j = 0; j < len; j++) {
-            prefetch_row(krows[j + AHEAD], row);
-            for (int64_t h = 0; h < H; h++) p[h * max_len + j] = dot(qb + h * D, krows[j] + (h / G) * D, D) * scale;
-        }
-        for (int64_t h = 0; h < H; h++) softmax(p + h * max_len, len);
-        const int64_t v_off = block_size * row;
-        for (int64_t j = 0; j < len; j++) {
-            prefetch_row(krows[j + AHEAD] + v_off, row);
-            for (int64_t h = 0; h < H; h++) axpy(ob + h * D, p[h * max_len + j], krows[j] + v_off + (h / G) * D, D);
-        }
+#if W == 16
+        if (attend_vec(qb, krows, len, H, KVH, D, v_off, scale, S, p, ps, ob)) continue;
+#endif
+        attend_plain(qb, krows, len, H, KVH, D, v_off, scale, p, ps, ob);
     }
     free(p);
     free(krows);
+    free(S);
     return rc;
 }
 

@@ -37,8 +37,6 @@
 _Static_assert(CH % KC == 0, "CH must be a multiple of KC: kt and the scores hold CH keys a chunk");
 #define DC 4 /* value vectors summed at once */
 
-static inline vf splat(float x) { return (vf){0} + x; }
-static inline vf sel(vi m, vf a, vf b) { return (vf)(((vi)a & m) | ((vi)b & ~m)); } /* m ? a : b, per lane */
 
 /* s[m][j .. j + KC) = qb[m] . keys j .. j + KC for m < M, every j < n (a multiple of KC); kt: the keys
    transposed in chunks of KC, [n / KC, D, KC] */
@@ -83,29 +81,6 @@ static inline __attribute__((always_inline)) void weighted(const float *restrict
         for (int m = 0; m < M; m++)
             for (int c = 0; c < nc; c++) storev(o + m * D + d0 + c * W, acc[m][c]);
     }
-}
-
-/* exp(x) for x <= 0 (a score minus its query's max): 2^i * e^r with x = i ln2 + r, |r| <= ln2 / 2, e^r by its
-   degree-6 Taylor polynomial (relative error of a few 1e-7, as libm's expf to a few ulp). x is clamped to
-   [-87, 0] first: e^-87 (1.6e-38, still a normal float) stands for anything smaller, and scores past a
-   query's last key (masked to 0 by the caller) never reach the float-to-int conversion out of range. */
-static inline vf vexp(vf x) {
-    const vf lo = splat(-87.0f), hi = splat(0.0f);
-    x = sel(x < lo, lo, x);
-    x = sel(x > hi, hi, x);
-    const vf t = x * 1.44269504f + 0.5f;
-    vf fi = __builtin_convertvector(__builtin_convertvector(t, vi), vf);
-    fi -= sel(fi > t, splat(1.0f), splat(0.0f)); /* floor(t) = round(x / ln2) */
-    const vf r = (x - fi * 0.693145752f) - fi * 1.42860677e-6f;
-    vf p = splat(1.0f / 720);
-    p = p * r + 1.0f / 120;
-    p = p * r + 1.0f / 24;
-    p = p * r + 1.0f / 6;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    const vi bits = (__builtin_convertvector(fi, vi) + 127) << 23;
-    return p * (vf)bits;
 }
 
 /* p[0 .. n) = exp(p - max) over its first `seen` entries, 0 past them (n: a multiple of W), where max is the

@@ -28,12 +28,16 @@ class Sampled:
     logprobs: list[TokenLogprob | None]  # one per row: None where the row's params ask for none
 
 
-def sample(logits: torch.Tensor, rows: list[SamplingRow], fallback: torch.Generator) -> Sampled:
-    """logits: [S, vocab] fp32, one row per SamplingRow (modified in place: stop tokens suppressed)."""
+def sample(logits: torch.Tensor, rows: list[SamplingRow], fallback: torch.Generator,
+           greedy: torch.Tensor | None = None) -> Sampled:
+    """logits: [S, vocab] fp32, one row per SamplingRow (modified in place: stop tokens suppressed); greedy:
+    [S] each row's first maximum where the forward computed it (models/decoder.py's decoder_logits)."""
     if all(_plain_greedy(r) for r in rows):
-        # max(dim).indices: the same first-maximum indices as argmax (NaN rows included), ~3x faster on
-        # CPU: [16, 8192] fp32, one thread, 61 vs 190 us (argmax was ~2% of a batch-16 decode step).
-        return Sampled(logits.max(dim=-1).indices.tolist(), [None] * len(rows))
+        if greedy is None:
+            # max(dim).indices: the same first-maximum indices as argmax (NaN rows included), ~3x faster on
+            # CPU: [16, 8192] fp32, one thread, 61 vs 190 us (argmax was ~2% of a batch-16 decode step).
+            greedy = logits.max(dim=-1).indices
+        return Sampled(greedy.tolist(), [None] * len(rows))
     suppress_stop_tokens(logits, rows)
     out = Sampled([], [])
     for logit_row, row in zip(logits, rows, strict=True):

@@ -6,9 +6,11 @@ loader maps Hugging Face tensor names onto them. Qwen3 adds per-head RMSNorm on 
 A layer runs as three pieces: `attention_input` (norm, q/k/v projection, q/k norm, rotary),
 `attend` (writes K/V to the paged cache, attends over it; one opaque op under torch.compile) and
 `attention_output` (o_proj, MLP, residuals). `decoder_layers` runs the embedding and every layer;
-a compiler turns it into one graph (`CausalLM.compiled_layers`) with the token count symbolic.
-The final norm, the selection of the rows to sample and the LM head run eagerly after it, so the
-graph does not depend on how many rows are sampled.
+`decoder_logits` adds the selection of the rows to sample, the final norm, the LM head and each row's
+greedy token. A compiler turns `decoder_logits` into one graph (`CausalLM.compiled_forward`) with the
+token count and the sampled rows' count symbolic: the eager ops that ran after the graph each paid
+tens of microseconds on one core (their code and data evicted by the weights the graph had just read:
+~0.5 ms of a batch-16 decode step, 2026-12-07).
 
 Linears are built as `nn.Linear` (MKL on a CPU). With `--linear-backend onednn` the loader replaces
 them by `PackedLinear` (layers/linear.py: each weight reordered once into oneDNN's blocked layout, in
@@ -110,6 +112,15 @@ def decoder_layers(model: CausalLM, input_ids: torch.Tensor, positions: torch.Te
     return x
 
 
+def decoder_logits(model: CausalLM, input_ids: torch.Tensor, positions: torch.Tensor,
+                   logit_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """input_ids, positions: [T]; logit_rows: [S] -> the logits of those rows [S, vocab] fp32 and each row's
+    greedy token [S] int64 (its first maximum, as torch.argmax). Attends in the current forward_context."""
+    x = decoder_layers(model, input_ids, positions)  # [T, hidden]
+    logits = model.lm_head(model.model.norm(x[logit_rows])).float()  # [S, vocab]
+    return logits, logits.max(dim=-1).indices
+
+
 class DecoderModel(nn.Module):
     def __init__(self, cfg: ArchConfig, max_positions: int) -> None:
         super().__init__()
@@ -127,15 +138,16 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        # decoder_layers compiled (engine/compiler.py); when set, every forward runs it
-        self.compiled_layers: Callable[[CausalLM, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+        # decoder_logits compiled (engine/compiler.py); when set, every forward runs it
+        self.compiled_forward: Callable[[CausalLM, torch.Tensor, torch.Tensor, torch.Tensor],
+                                        tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, cache: KVCache, logit_rows: torch.Tensor,
-                layer_hook: Callable[[int], None] | None = None) -> torch.Tensor:
-        """input_ids, positions: [T]; logit_rows: [S] rows whose logits are wanted -> [S, vocab] fp32.
+                layer_hook: Callable[[int], None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """input_ids, positions: [T]; logit_rows: [S] rows whose logits are wanted -> their logits [S, vocab]
+        fp32 and greedy tokens [S] int64 (decoder_logits).
 
         layer_hook(l) runs right after layer l wrote its K/V to the cache (layer-wise push).
         """
         with forward_context(meta, cache, layer_hook):
-            x = (self.compiled_layers or decoder_layers)(self, input_ids, positions)  # [T, hidden]
-        return self.lm_head(self.model.norm(x[logit_rows])).float()
+            return (self.compiled_forward or decoder_logits)(self, input_ids, positions, logit_rows)
