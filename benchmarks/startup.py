@@ -5,9 +5,10 @@
 Three states of kvpush's caches (all under $XDG_CACHE_HOME/kvpush: inductor's graphs and kernels, the
 C kernels, the linear backend's and the decode and prefill attention's choices, engine/linear_choice.py
 and engine/attention_choice.py):
-- `cold`: a fresh, empty cache directory each start (a new machine, or the first start after an
-  upgrade): inductor compiles, the C kernels build, the linear backend and both attention paths are
-  calibrated;
+- `cold`: a fresh, empty cache directory and a fresh temporary directory ($TMPDIR: inductor keeps
+  some of its build products there, outside the cache) each start (a new machine, or the first start
+  after an upgrade): inductor compiles, the C kernels build, the linear backend and both attention paths
+  are calibrated;
 - `calibrate`: everything cached but the three choices (removed before each start);
 - `cached`: everything cached (every later start).
 Each repeat starts the server once per state, the order rotating between repeats, one core
@@ -39,8 +40,11 @@ TIMEOUT_S = 300.0
 
 
 def start_once(model: str, compile_mode: str, cache_home: str, log_path: str) -> float:
-    """Seconds from launching `kvpush serve` until /health answers; the server is stopped after."""
-    env = {"XDG_CACHE_HOME": cache_home}
+    """Seconds from launching `kvpush serve` until /health answers; the server is stopped after. Its
+    temporary directory is `tmp` in `cache_home`."""
+    tmp = os.path.join(cache_home, "tmp")
+    os.makedirs(tmp, exist_ok=True)
+    env = {"XDG_CACHE_HOME": cache_home, "TMPDIR": tmp}
     argv = ["serve", model, "--port", str(free_port()), "--torch-threads", "1", "--compile", compile_mode]
     server = ServerProcess(argv, env=env, log_path=log_path, prefix=["taskset", "-c", "0"])
     server.env.pop("TORCHINDUCTOR_CACHE_DIR", None)  # inductor's cache follows XDG_CACHE_HOME
