@@ -53,7 +53,12 @@ def test_profile_of_the_tiny_model_serves_with_emulate(tiny_model, tmp_path, cap
     raw = json.loads(out.read_text())
     assert len(raw["derivation"]["grid"]) == len(grid(profile.max_model_len, quick=True))
     assert all(row["measured_s"] > 0 for row in raw["derivation"]["grid"])
-    assert "kvpush profile" in raw["sources"]["clock.per_token_s"]
+    assert "kvpush profile" in raw["sources"]["clock.per_token_s"] and "kvpush profile" in raw["sources"]["clock.grid"]
+    steps = grid(profile.max_model_len, quick=True)
+    assert [tuple(map(tuple, p["seqs"])) for p in raw["clock"]["grid"]] == steps  # mixed steps included
+    assert any(n > 1 for n, _ in steps[-1]) and any(n == 1 for n, _ in steps[-1])
+    for point in profile.clock.grid:  # the clock follows what it measured
+        assert profile.clock.step_time(point.seqs) == pytest.approx(point.measured_s, rel=1e-9)
     llm = LLM(tiny_model, emulate=str(out), num_blocks=64)
     [answer] = llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=3, temperature=0))
     assert len(answer.token_ids) == 3

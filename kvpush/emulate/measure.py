@@ -1,8 +1,9 @@
 """`kvpush profile MODEL -o FILE`: an emulation profile of kvpush's own engine on this machine.
 
 Times what an emulated instance replaces, the model runner's step (its inputs, the forward pass and
-sampling), on a grid: prefills of a few lengths with and without earlier context, and decode batches
-of a few sizes and context lengths. Each point is the median of `repeats` steps after an untimed one.
+sampling), on a grid: prefills of a few lengths with and without earlier context, decode batches of a
+few sizes and context lengths, and a few mixed steps (a prefill beside decodes, as under load). Each
+point is the median of `repeats` steps after an untimed one.
 The KV in the cache is whatever was there (the timing does not depend on it). Then it fits the
 profile's clock (profile.py, `combine: sum`) to the points by non-negative least squares on their
 relative errors:
@@ -11,12 +12,14 @@ relative errors:
              + per_context_token_s * ctx                          (per_step_s: 0, the same as the first)
 
 and writes a profile whose geometry is the model's own, whose every constant names this command,
-machine and date as its source, and whose `derivation` keeps the grid: each point measured and fitted.
+machine and date as its source, whose clock keeps the grid (`clock.grid`: grid.py follows it where the
+formula misses), and whose `derivation` lists each point measured and by the formula.
 The link is not measured: --link-gbps and --link-latency-us say what it is.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import math
 import statistics
@@ -26,14 +29,18 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvpush.emulate.grid import GridPoint, split
 from kvpush.emulate.profile import KVGeometry, Link, Profile, StepClock
 
 # (new tokens, context after the step) per sequence of one step
 Step = tuple[tuple[int, int], ...]
 PREFILLS = ((16, 0), (64, 0), (256, 0), (512, 0), (1024, 0), (2048, 0), (256, 1024), (512, 1536))  # (tokens, before)
-DECODES = ((1, 64), (1, 1024), (4, 512), (16, 128), (16, 1024), (32, 512))  # (batch, context)
+DECODES = ((1, 64), (1, 256), (1, 1024), (4, 128), (4, 512), (8, 256), (16, 128), (16, 512), (16, 1024),
+           (32, 512))  # (batch, context)
+MIXED = ((512, 4, 512), (512, 16, 256), (256, 8, 128))  # (fresh prefill tokens, decode batch, decode context)
 QUICK_PREFILLS = ((16, 0), (64, 0), (128, 0), (64, 64))
 QUICK_DECODES = ((1, 32), (1, 128), (4, 64), (8, 128))
+QUICK_MIXED = ((64, 4, 64),)
 FEATURES = ("step_overhead_s", "prefill_overhead_s", "per_token_s", "per_pair_s", "per_context_token_s")
 
 
@@ -44,11 +51,12 @@ class Point:
 
 
 def grid(max_len: int, quick: bool = False) -> list[Step]:
-    """The steps to time: prefills then decode batches, each within `max_len` tokens of context."""
+    """The steps to time: prefills, decode batches, then mixed steps, each within `max_len` tokens of context."""
     prefills = QUICK_PREFILLS if quick else PREFILLS
     decodes = QUICK_DECODES if quick else DECODES
     steps: list[Step] = [((n, before + n),) for n, before in prefills if before + n <= max_len]
     steps += [((1, c),) * b for b, c in decodes if c <= max_len]
+    steps += [((n, n),) + ((1, c),) * b for n, b, c in (QUICK_MIXED if quick else MIXED) if max(n, c) <= max_len]
     return steps
 
 
@@ -118,26 +126,27 @@ def time_steps(runner, block_size: int, num_blocks: int, vocab: int, steps: Sequ
 
 
 def describe(step: Step) -> str:
-    if len(step) == 1 and step[0][0] > 1:
-        n, c = step[0]
-        return f"prefill {n}" + (f" after {c - n}" if c > n else "")
-    return f"decode {len(step)} x {step[0][1]}"
+    prefill, decode = split(step)
+    parts = [f"prefill {n}" + (f" after {c - n}" if c > n else "") for n, c in prefill]
+    parts += [f"decode {len(decode)} x {decode[0][1]}"] if decode else []
+    return " + ".join(parts)
 
 
 def make_profile(name: str, engine, points: Sequence[Point], link: Link, command: str, machine: str) -> Profile:
-    """The profile of `engine` (engine/engine.py's LLMEngine) from its measured points."""
-    clock = fit(points)
+    """The profile of `engine` (engine/engine.py's LLMEngine) from its measured points: the fit, following
+    the points (clock.grid)."""
+    clock = dataclasses.replace(fit(points), grid=tuple(GridPoint(p.step, p.measured_s) for p in points))
     arch, layout = engine.arch, engine.layout
     dtype = str(layout.dtype).removeprefix("torch.")
     when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
     measured = f"measured by `{command}` on {machine}, {when}: the grid in derivation.grid and its fit"
     geometry = f"{engine.config.model.model}'s config.json ({dtype} as loaded)"
     sources = {**{f"kv.{k}": geometry for k in ("num_layers", "num_kv_heads", "head_dim", "dtype")},
-               **{f"clock.{k}": measured for k in (*FEATURES, "per_step_s")},
+               **{f"clock.{k}": measured for k in (*FEATURES, "per_step_s", "grid")},
                "link.bandwidth_gbps": f"given by --link-gbps, not measured ({command})",
                "link.latency_s": f"given by --link-latency-us, not measured ({command})"}
     rows = [{"step": describe(p.step), "seqs": [list(s) for s in p.step], "measured_s": p.measured_s,
-             "fitted_s": clock.step_time(p.step)} for p in points]
+             "formula_s": clock.formula_time(p.step)} for p in points]
     return Profile(name=name, device=engine.device.type,
                    kv=KVGeometry(arch.num_layers, arch.num_kv_heads, arch.head_dim, dtype),
                    clock=clock, link=link, max_model_len=engine.max_model_len,

@@ -17,6 +17,10 @@ The clock prices one engine step from what it computes:
 
 `combine` is `max` (a roofline: the step is bound by arithmetic or by memory) or `sum` (a fit of a
 machine where both add up, as kvpush's own CPU engine).
+
+A measured profile (`kvpush profile`) also carries its grid (`clock.grid`: steps and their measured
+times), and its clock follows the grid where the formula misses (grid.py): the formula's time times the
+measured / formula ratio interpolated from the grid's steps nearest the step.
 """
 
 from __future__ import annotations
@@ -25,8 +29,11 @@ import hashlib
 import json
 import os
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from functools import cached_property
 from typing import Any
+
+from kvpush.emulate.grid import GridPoint, GridRatio
 
 FORMAT = "kvpush-emulation-profile/1"
 PROFILE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "profiles")
@@ -62,9 +69,21 @@ class StepClock:
     per_step_s: float
     per_context_token_s: float
     combine: str = "max"
+    grid: tuple[GridPoint, ...] = ()  # measured steps the clock follows (measured profiles); () for none
 
     def step_time(self, seqs: Iterable[tuple[int, int]]) -> float:
-        """Seconds of a step that computes, per sequence, `n` new tokens ending at context length `c`."""
+        """Seconds of a step that computes, per sequence, `n` new tokens ending at context length `c`: the
+        formula's, times the grid's measured / formula ratio near the step where the clock has a grid."""
+        seqs = tuple(seqs)
+        formula = self.formula_time(seqs)
+        return formula * self._grid_ratio(seqs) if self.grid else formula
+
+    @cached_property
+    def _grid_ratio(self) -> GridRatio:
+        return GridRatio(self.grid, self.formula_time)
+
+    def formula_time(self, seqs: Iterable[tuple[int, int]]) -> float:
+        """Seconds of the step by the formula alone (the module docstring's)."""
         tokens = pairs = ctx = 0
         prefill = False
         for n, c in seqs:
@@ -109,17 +128,25 @@ class Profile:
     @property
     def fingerprint(self) -> str:
         """A short hash of what shapes an emulated run (geometry, clock, link): the compatibility hash's."""
-        shape = json.dumps([_fields(self.kv), _fields(self.clock), _fields(self.link)], sort_keys=True)
+        shape = json.dumps([_fields(self.kv), _clock_json(self.clock), _fields(self.link)], sort_keys=True)
         return hashlib.sha256(shape.encode()).hexdigest()[:12]
 
     def to_json(self) -> dict[str, Any]:
         return {"format": FORMAT, "name": self.name, "description": self.description, "device": self.device,
-                "max_model_len": self.max_model_len, "kv": _fields(self.kv), "clock": _fields(self.clock),
+                "max_model_len": self.max_model_len, "kv": _fields(self.kv), "clock": _clock_json(self.clock),
                 "link": _fields(self.link), "sources": dict(self.sources), "derivation": self.derivation}
 
 
 def _fields(obj: object) -> dict[str, Any]:
     return dict(vars(obj))
+
+
+def _clock_json(clock: StepClock) -> dict[str, Any]:
+    """The clock's JSON object: its constants, and its grid where it has one."""
+    out: dict[str, Any] = {f.name: getattr(clock, f.name) for f in fields(clock) if f.name != "grid"}
+    if clock.grid:
+        out["grid"] = [{"seqs": [list(s) for s in p.seqs], "measured_s": p.measured_s} for p in clock.grid]
+    return out
 
 
 def shipped_names() -> list[str]:
@@ -160,7 +187,8 @@ def parse_profile(raw: Any, where: str = "profile") -> Profile:
         raise ProfileError(f"{where}: kv.dtype must be one of {', '.join(DTYPE_BYTES)}, got {kv.dtype!r}")
     c = "clock."
     times = {name: r.get(c + name, float) for name in _CLOCK_TIMES}
-    clock = StepClock(**times, combine=r.get(c + "combine", str))
+    grid = _grid(raw["clock"].get("grid", []) if isinstance(raw.get("clock"), dict) else [], where)
+    clock = StepClock(**times, combine=r.get(c + "combine", str), grid=grid)
     if clock.combine not in COMBINES:
         raise ProfileError(f"{where}: clock.combine must be one of {', '.join(COMBINES)}, got {clock.combine!r}")
     link = Link(r.get("link.bandwidth_gbps", float), r.get("link.latency_s", float))
@@ -168,11 +196,32 @@ def parse_profile(raw: Any, where: str = "profile") -> Profile:
     if device not in ("cpu", "cuda"):
         raise ProfileError(f"{where}: device must be cpu or cuda, got {device!r}")
     sources = r.get("sources", dict)
-    missing = [k for k in _SOURCED if k not in sources]
+    missing = [k for k in (*_SOURCED, *(("clock.grid",) if grid else ())) if k not in sources]
     if missing:
         raise ProfileError(f"{where}: sources names no source for {', '.join(missing)}")
     return Profile(r.get("name", str), device, kv, clock, link, r.get("max_model_len", int),
                    raw.get("description", ""), sources, raw.get("derivation", {}))
+
+
+def _grid(raw: Any, where: str) -> tuple[GridPoint, ...]:
+    """clock.grid: a list of {"seqs": [[n, c], ...], "measured_s": seconds}, each n >= 1 and c >= n."""
+    if not isinstance(raw, list):
+        raise ProfileError(f"{where}: field 'clock.grid' must be a list of measured steps")
+    points = []
+    for i, item in enumerate(raw):
+        name = f"clock.grid[{i}]"
+        seqs = item.get("seqs") if isinstance(item, dict) else None
+        ok = isinstance(seqs, list) and len(seqs) > 0 and all(
+            isinstance(s, list) and len(s) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in s)
+            and 1 <= s[0] <= s[1] for s in seqs)
+        if not ok:
+            raise ProfileError(f"{where}: field '{name}.seqs' must be a non-empty list of [new tokens, context] "
+                               "pairs with 1 <= new tokens <= context")
+        measured = item.get("measured_s")
+        if not isinstance(measured, int | float) or isinstance(measured, bool) or not measured > 0:
+            raise ProfileError(f"{where}: field '{name}.measured_s' must be a positive number, got {measured!r}")
+        points.append(GridPoint(tuple((n, c) for n, c in seqs), float(measured)))
+    return tuple(points)
 
 
 _CLOCK_TIMES = ("step_overhead_s", "prefill_overhead_s", "per_token_s", "per_pair_s", "per_step_s",
