@@ -8,7 +8,9 @@ only): building the inputs (ModelRunner.prepare), the model's forward (CausalLM.
 the attention op (layers/attention.paged_attention, all layers) and within that the C decode kernel
 and the K/V writes into the cache, then sampling. "other" is the step minus prepare, forward and
 sampling (the scheduler, the block manager, output bookkeeping); "graph rest" is the forward minus the
-attention op: the linears, norms, rotary, activations and the compiled graph's own calls. Also times
+attention op: the linears, norms, rotary, activations and the compiled graph's own calls, and since
+5e7d91a also the final norm, LM head and greedy tokens (before, the LM head ran eagerly after the graph and
+"sample" took the greedy tokens' max: parts from either side of that commit do not compare). Also times
 "linears alone" (engine_throughput.py) right after each repeat. Prints medians over the repeats, ms a
 step. Timers cost a few microseconds a call; compare parts within one run, not across runs.
 """

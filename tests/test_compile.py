@@ -22,7 +22,7 @@ LONG = 138  # prompts long enough to be prefilled in several chunks next to deco
 
 
 class CountingLayers:
-    """Counts forwards that ran the compiled layers, by token count (so a test knows what it exercised)."""
+    """Counts forwards that ran compiled (decoder_logits), by token count (so a test knows what it exercised)."""
 
     def __init__(self, eng: LLMEngine) -> None:
         inner = eng.model.compiled_forward
@@ -61,6 +61,46 @@ def test_compiled_greedy_equals_eager_and_logits_match(compiled, tiny_model):
     tokens = ps[4][: LONG + 20]
     diff = (ours_logits(compiled, tokens) - ours_logits(eager, tokens)).abs().max().item()
     assert diff < ATOL["cpu"], diff
+
+
+def test_greedy_tokens_of_the_graph_are_argmax_of_its_logits(compiled):
+    """The compiled forward's greedy tokens (what plain greedy sampling uses) are torch.argmax of its logits,
+    first maximum on ties: rows whose logits tie are made by giving two vocabulary rows the same LM-head weights."""
+    vocab = compiled.arch.vocab_size
+    tokens = prompts(vocab, (40,))[0]
+    req = compiled.make_request("argmax", tokens, SamplingParams(max_tokens=1))
+    assert compiled.block_manager.allocate(req, len(tokens))
+    batch = compiled.runner.prepare([(req, len(tokens))])
+    head = compiled.model.lm_head.weight
+    saved = head.detach().clone()
+    try:
+        with torch.inference_mode():
+            logits, _ = compiled.model(batch.input_ids, batch.positions, batch.meta, compiled.cache,
+                                       torch.arange(len(tokens)))
+            top = logits.argmax(-1)  # make each row's maximum tie with a later twin of its top token
+            twins = (top + 1) % vocab
+            head[twins] = head[top]
+            logits, greedy = compiled.model(batch.input_ids, batch.positions, batch.meta, compiled.cache,
+                                            torch.arange(len(tokens)))
+        rows = range(len(tokens))
+        assert any(logits[i, int(top[i])] == logits[i, int(twins[i])] for i in rows)  # ties exist
+        assert greedy.tolist() == [int(torch.argmax(logits[i])) for i in rows]
+    finally:
+        with torch.no_grad():
+            head.copy_(saved)
+        compiled.block_manager.free(req)
+
+
+def test_a_prompt_longer_than_the_budget_alone_samples_nothing_until_its_last_chunk(compiled, tiny_model):
+    """Chunks of one long prompt with nothing else running: steps whose forward samples no row at all (an empty
+    logit_rows), compiled as eager, without a recompile."""
+    eager = LLMEngine(dataclasses.replace(compiled.config, compile=CompileMode.OFF))
+    before = compiled.runner.num_compiled_graphs
+    counter = CountingLayers(compiled)
+    [long] = prompts(compiled.arch.vocab_size, (3 * LONG,))
+    assert generate(compiled, [long], GREEDY) == generate(eager, [long], GREEDY)
+    assert counter.tokens.count(LONG + 40) >= 2  # whole budget-sized chunks ran, sampling nothing
+    assert compiled.runner.num_compiled_graphs == before
 
 
 def test_no_recompile_after_warm_up(tiny_model):

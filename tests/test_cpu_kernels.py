@@ -56,24 +56,48 @@ def test_kernel_equals_gather_and_sdpa(heads, kv_heads, head_dim, block_size):
 
 @needs_kernel
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [
-    (32, 1, 16),  # 1 vector a head: up to 16 query heads a pass over V, two passes here
-    (12, 2, 64),  # 4 vectors: 6 query heads a KV head, in passes of 4 and 2
-    (6, 2, 96),  # 6 vectors: 3 query heads, passes of 2 and 1
-    (8, 1, 128),  # 8 vectors: passes of 2 heads
+    (32, 1, 16),  # 1 vector a head: up to 16 query heads a group over V, two groups here
+    (12, 2, 64),  # 4 vectors: 6 query heads a KV head, in groups of 4 and 2
+    (12, 2, 48), (6, 1, 80), (4, 1, 112),  # 3, 5, 7 vectors: groups of 5 and 1, 3 and 3, 2 and 2
+    (6, 2, 96),  # 6 vectors: 3 query heads, groups of 2 and 1
+    (8, 1, 128),  # 8 vectors: groups of 2 heads
     (4, 2, 144),  # over 128: the plain path
 ])
 def test_tiles_and_head_groups_equal_gather_and_sdpa(heads, kv_heads, head_dim):
-    """The 16-token tiles (contexts ending inside, on and just past a tile) and the query heads of a KV head
-    taken a few at a time, on every head size the vector path has (and one it leaves to the plain path)."""
+    """The 16-token tiles (contexts ending inside, on and just past a tile), the 128-token spans over V (a
+    context of 300 crosses two) and the query heads of a KV head taken a few at a time, on every head size the
+    vector path has (and one it leaves to the plain path)."""
     g = torch.Generator().manual_seed(heads + head_dim)
-    num_blocks, block_size = 48, 8
+    num_blocks, block_size = 96, 8
     kv = torch.randn(num_blocks, 2, 2, block_size, kv_heads, head_dim, generator=g)
-    lens = torch.tensor([1, 15, 16, 17, 31, 33, 64])
-    table = torch.stack([torch.randperm(num_blocks, generator=g)[:8] for _ in lens])
+    lens = torch.tensor([1, 15, 16, 17, 31, 33, 64, 128, 129, 300])
+    table = torch.stack([torch.randperm(num_blocks, generator=g)[:38] for _ in lens])
     q = torch.randn(len(lens), heads, head_dim, generator=g)
     scale = head_dim**-0.5
     torch.testing.assert_close(kernel(q, kv, table, lens, 1, scale), reference(q, kv, table, lens, 1, scale),
                                rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_the_vector_path_is_what_avx512_builds_take():
+    """A kernel built with AVX-512 attends heads of 16-128 floats (multiples of 16) by its tile path, others and
+    256-bit builds by the plain loops; so the tests above exercise the path they name on such a machine."""
+    from kvpush.layers.cpu_kernels import prefill_attention
+
+    wide = (prefill := prefill_attention()) is not None and prefill.width == 16
+    assert [kernel.vector_path(d) for d in (16, 64, 128)] == [wide] * 3
+    assert not any(kernel.vector_path(d) for d in (8, 40, 144, 256))
+
+
+def test_the_avx512_path_compiles_where_the_machine_lacks_it(tmp_path):
+    """The tile path is only built on AVX-512 CPUs: compile it here anyway (no run), so a machine without
+    AVX-512 still checks it builds."""
+    from kvpush.config import c_compiler
+    from kvpush.layers import cpu_kernels
+
+    flags = [f for f in cpu_kernels.FLAGS if f != "-march=native"] + ["-march=skylake-avx512"]
+    subprocess.run([c_compiler(), *flags, "-Werror=implicit-function-declaration", "-c",
+                    str(cpu_kernels.SOURCE), "-o", str(tmp_path / "k.o")], check=True, capture_output=True)
 
 
 def build_variant(tmp_path, extra: list[str]):

@@ -1,4 +1,4 @@
-"""torch.compile of the model's layers with inductor, and the warm-up that compiles them up front.
+"""torch.compile of the model's forward with inductor, and the warm-up that compiles it up front.
 
 `decoder_logits` (models/decoder.py: embedding, every layer, the sampled rows' final norm, LM head and
 greedy tokens) compiles into one graph with the token count (dim 0 of input_ids and positions) and
@@ -91,8 +91,8 @@ def _own_copy(fn: Callable) -> Callable:
 
 
 def compile_model(model: CausalLM, mode: CompileMode, warm_up: Callable[[int], None]) -> bool:
-    """Give the model compiled layers and compile them by running `warm_up(tokens)` for each of
-    WARM_UP_TOKENS.
+    """Give the model a compiled forward (decoder_logits) and compile it by running `warm_up(tokens)` for
+    each of WARM_UP_TOKENS.
 
     Returns True if the model now runs compiled. Raises CompileError only in `on` mode.
     """
@@ -107,7 +107,8 @@ def compile_model(model: CausalLM, mode: CompileMode, warm_up: Callable[[int], N
     # directory, on the first compile after boot. A first start then paid ~5 s for it to save ~2 s
     # (`TMPDIR=<fresh> XDG_CACHE_HOME=<fresh>` engine start-ups, bench model, one core, 2026-12-08: compile
     # 31.3 s with it, 27.4 s without, 25.6 s with one already built); later starts load the compiled graph.
-    torch._inductor.config.cpp_cache_precompile_headers = False
+    if hasattr(torch._inductor.config, "cpp_cache_precompile_headers"):  # older torch: no such setting
+        torch._inductor.config.cpp_cache_precompile_headers = False
     cpp_wrapper = next(model.parameters()).device.type == "cpu" and _variant.get("cpp_wrapper", True)
     if cpp_wrapper:
         torch._inductor.config.cpp_wrapper = True  # see the module docstring

@@ -59,6 +59,14 @@ class PagedDecode:
         if self.write_decode is not None:
             self.write_decode.restype = ctypes.c_int
             self.write_decode.argtypes = [_PTR] * 4 + [_I64] * 2 + [_PTR] * 4 + [_I64] * 8 + [ctypes.c_float]
+        self._vector_path = getattr(lib, "kvpush_decode_vector_path", None)
+        if self._vector_path is not None:
+            self._vector_path.restype, self._vector_path.argtypes = ctypes.c_int, [_I64]
+
+    def vector_path(self, head_dim: int) -> bool:
+        """Whether heads of `head_dim` take the kernel's 16-token-tile path (AVX-512 builds, head sizes a
+        multiple of 16 up to 128) rather than its plain loops (for tests)."""
+        return self._vector_path is not None and bool(self._vector_path(head_dim))
 
     def __call__(self, q: torch.Tensor, kv: torch.Tensor, table: torch.Tensor, lens: torch.Tensor,
                  layer: int, scale: float) -> torch.Tensor:

@@ -12,12 +12,14 @@
    one pass over the context's K rows (each token's row of every KV head read once, in cache order, a few
    rows prefetched ahead) keeps each head's products of a token as a vector, and a tile of 16 tokens is
    summed across lanes at once (hsum16); exp over the tiles is vectorised and the sums divide the outputs
-   at the end; then per KV head one pass over its V rows accumulates up to 16 / (D / 16) of its query
-   heads' outputs in registers. Other head sizes and 256-bit CPUs take attend_plain: per token a dot
+   at the end; then per KV head, in spans of 128 tokens, up to 16 / (D / 16) of its query heads at a
+   time accumulate their outputs in registers over the span's V rows (a span read once from memory, again
+   from L2 for each further group of query heads). Other head sizes and 256-bit CPUs take attend_plain: per token a dot
    product and horizontal sum per head, per token an update of every head's output row in memory.
    A decode step is bound by memory here, not arithmetic, once the rows come from beyond L2.
    `python benchmarks/decode_kernel.py --against 3024a3e --repeats 60` (6 heads over 3 of 64, block 16,
-   rows from beyond L2; Intel fam 6 model 167, 2026-12-07): attend16 / attend_plain 0.918 [0.893, 0.937] at
+   rows from beyond L2; Intel fam 6 model 167, 2026-12-07): attend16 / 3024a3e's kernel (attend_plain's loops)
+   0.918 [0.893, 0.937] at
    16 sequences x 96 tokens, 0.908 [0.882, 0.923] at 16 x 500, 0.908 [0.891, 0.919] at 64 x 200, cannot tell
    at one sequence of 100 (0.970 [0.937, 1.009]).
    Built by layers/cpu_kernels.py. */
@@ -187,32 +189,41 @@ static inline __attribute__((always_inline)) void scores16(const float *qb, cons
     }
 }
 
-/* ob[h] = inv[h] * the sum over tokens j < len of p[h * ps + j] * V_j (KV head h / G), per KV head and up to 16 / DW of its
-   query heads at a time, their output rows in registers across the tokens */
+/* ob[h] = inv[h] * the sum over tokens j < len of p[h * ps + j] * V_j (KV head h / G): per KV head, the context
+   in spans of VSPAN tokens (one KV head's V rows of a span stay in L2), and within a span up to 16 / DW of
+   its query heads at a time, their output rows in registers across the span's tokens (carried in ob
+   between spans). Where a KV head has more query heads than that, each span's V rows are read once per
+   group of them, from L2, not once per group over the whole context. */
+#define VSPAN 128
 static inline __attribute__((always_inline)) void values16(const float *p, int64_t ps, const float **krows,
                                                            int64_t len, int64_t H, int64_t KVH, const int DW,
                                                            int64_t v_off, const float *inv, float *ob) {
     enum { GB = 16 };  /* bound on heads at a time; the loops below stop at gb <= 16 / DW */
     const int64_t D = DW * W, G = H / KVH, gb_max = 16 / DW;
     for (int64_t g = 0; g < KVH; g++)
-        for (int64_t h0 = g * G; h0 < (g + 1) * G; h0 += gb_max) {
-            const int64_t gb = (g + 1) * G - h0 < gb_max ? (g + 1) * G - h0 : gb_max;
-            vf acc[GB][8];
-            for (int i = 0; i < 16 / DW; i++)
-                for (int c = 0; c < DW; c++) acc[i][c] = (vf){0};
-            for (int64_t j = 0; j < len; j++) {
-                const float *v = krows[j] + v_off + g * D;
-                prefetch_row(krows[j + AHEAD] + v_off + g * D, D);
-                vf x[8];
-                for (int c = 0; c < DW; c++) x[c] = loadv(v + c * W);
-                for (int i = 0; i < 16 / DW; i++) {
-                    if (i >= gb) break;
-                    const vf w = (vf){0} + p[(h0 + i) * ps + j];
-                    for (int c = 0; c < DW; c++) acc[i][c] += w * x[c];
+        for (int64_t j0 = 0; j0 < len; j0 += VSPAN) {
+            const int64_t j1 = len - j0 < VSPAN ? len : j0 + VSPAN;
+            for (int64_t h0 = g * G; h0 < (g + 1) * G; h0 += gb_max) {
+                const int64_t gb = (g + 1) * G - h0 < gb_max ? (g + 1) * G - h0 : gb_max;
+                vf acc[GB][8];
+                for (int i = 0; i < 16 / DW; i++)
+                    for (int c = 0; c < DW; c++) acc[i][c] = j0 > 0 && i < gb ? loadv(ob + (h0 + i) * D + c * W) : (vf){0};
+                for (int64_t j = j0; j < j1; j++) {
+                    const float *v = krows[j] + v_off + g * D;
+                    prefetch_row(krows[j + AHEAD] + v_off + g * D, D);
+                    vf x[8];
+                    for (int c = 0; c < DW; c++) x[c] = loadv(v + c * W);
+                    for (int i = 0; i < 16 / DW; i++) {
+                        if (i >= gb) break;
+                        const vf w = (vf){0} + p[(h0 + i) * ps + j];
+                        for (int c = 0; c < DW; c++) acc[i][c] += w * x[c];
+                    }
                 }
+                const int last = j1 == len;  /* the outputs are complete: divide by the sums */
+                for (int i = 0; i < gb; i++)
+                    for (int c = 0; c < DW; c++)
+                        storev(ob + (h0 + i) * D + c * W, last ? acc[i][c] * inv[h0 + i] : acc[i][c]);
             }
-            for (int i = 0; i < gb; i++)
-                for (int c = 0; c < DW; c++) storev(ob + (h0 + i) * D + c * W, acc[i][c] * inv[h0 + i]);
         }
 }
 
@@ -222,7 +233,7 @@ static float exp_tiles(float *p, int64_t len) {
     for (int i = 0; i < W; i++) idx[i] = (float)i;
     for (int64_t j = 0; j < len; j += TILE) {
         const vf x = loadv(p + j);
-        mv = sel(x > mv & idx + (float)j < (float)len, x, mv);
+        mv = sel((x > mv) & (idx + (float)j < (float)len), x, mv);
     }
     float mx = mv[0];
     for (int i = 1; i < W; i++) mx = mv[i] > mx ? mv[i] : mx;
@@ -257,6 +268,17 @@ static int attend_vec(const float *qb, const float **krows, int64_t len, int64_t
     }
 }
 #endif
+
+/* 1 where kvpush_paged_decode takes heads of D floats by attend16 (this build has AVX-512 and D is a multiple
+   of 16 up to 128), 0 where by attend_plain (for tests: the path a head size takes) */
+int kvpush_decode_vector_path(int64_t D) {
+#if W == 16
+    return D % W == 0 && D >= W && D <= 8 * W;
+#else
+    (void)D;
+    return 0;
+#endif
+}
 
 /* Returns 0, or -1 if scratch memory could not be allocated. */
 int kvpush_paged_decode(const float *q, const float *kv, const int64_t *table, const int64_t *lens, float *out,
