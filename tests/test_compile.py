@@ -211,3 +211,28 @@ def test_decode_only_steps_take_the_one_call_path(compiled, mode, monkeypatch):
     monkeypatch.setattr(cpu_kernels.DecodeStep, "__call__", counted)
     generate(eng, prompts(eng.arch.vocab_size, (3, 9)), GREEDY)
     assert calls and all(calls), f"{calls.count(False)} of {len(calls)} layer calls fell back"
+
+
+def test_a_compile_that_fails_without_the_instruction_set_checks_retries_with_them(monkeypatch):
+    """Where kvpush's own kernels built with -march=native, inductor's per-instruction-set test builds are
+    skipped; should the compile then fail (a compiler that lacks a set the CPU has), it is retried once with
+    the checks before giving up."""
+    from kvpush.engine import compiler
+
+    calls: list[bool] = []
+
+    def attempt(model, cpp_wrapper, skip_isa_checks, warm_up):
+        calls.append(skip_isa_checks)
+        if skip_isa_checks:
+            raise RuntimeError("no such instruction set")
+
+    monkeypatch.setattr(compiler, "_compile_and_warm_up", attempt)
+    monkeypatch.setattr(compiler, "_toolchain_builds_native", lambda: True)
+    monkeypatch.setattr(torch._dynamo, "reset", lambda: None)  # other tests' compiled engines keep their graphs
+    model = torch.nn.Linear(2, 2)
+    assert compiler.compile_model(model, CompileMode.ON, lambda tokens: None)  # type: ignore[arg-type]
+    assert calls == [True, False]
+    calls.clear()
+    monkeypatch.setattr(compiler, "_toolchain_builds_native", lambda: False)
+    assert compiler.compile_model(model, CompileMode.ON, lambda tokens: None)  # type: ignore[arg-type]
+    assert calls == [False]

@@ -95,8 +95,9 @@ def fit(points: Sequence[Point]) -> StepClock:
     weights = np.array([1.0 / p.measured_s for p in points])
     a = np.array([features(p.step) for p in points]) * weights[:, None]
     coef = nnls(a, np.ones(len(points)))
-    values = dict(zip(FEATURES, (float(c) for c in coef), strict=True))
-    return StepClock(per_step_s=0.0, combine="sum", **values)
+    step_overhead, prefill_overhead, per_token, per_pair, per_context_token = (float(c) for c in coef)  # FEATURES
+    return StepClock(step_overhead_s=step_overhead, prefill_overhead_s=prefill_overhead, per_token_s=per_token,
+                     per_pair_s=per_pair, per_step_s=0.0, per_context_token_s=per_context_token, combine="sum")
 
 
 def time_steps(runner, block_size: int, num_blocks: int, vocab: int, steps: Sequence[Step],

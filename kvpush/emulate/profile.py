@@ -214,7 +214,7 @@ def _grid(raw: Any, where: str) -> tuple[GridPoint, ...]:
         ok = isinstance(seqs, list) and len(seqs) > 0 and all(
             isinstance(s, list) and len(s) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in s)
             and 1 <= s[0] <= s[1] for s in seqs)
-        if not ok:
+        if not ok or not isinstance(seqs, list):
             raise ProfileError(f"{where}: field '{name}.seqs' must be a non-empty list of [new tokens, context] "
                                "pairs with 1 <= new tokens <= context")
         measured = item.get("measured_s")

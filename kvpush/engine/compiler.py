@@ -116,16 +116,54 @@ def compile_model(model: CausalLM, mode: CompileMode, warm_up: Callable[[int], N
     # Without this the warm-up's token count would be unified with any weight dimension of the same
     # size (duck shaping) and the graph specialised to it: every other count would recompile.
     torch.fx.experimental._config.use_duck_shape = False
-    model.compiled_forward = _compile(_own_copy(decoder_logits) if _variant else decoder_logits)
+    skip_isa_checks = cpp_wrapper and _toolchain_builds_native()
     try:
-        with torch._inductor.config.patch(cpp_wrapper=cpp_wrapper):
-            for tokens in WARM_UP_TOKENS:
-                warm_up(tokens)
+        _compile_and_warm_up(model, cpp_wrapper, skip_isa_checks, warm_up)
     except (torch._dynamo.exc.TorchDynamoException, RuntimeError, OSError) as e:
+        if skip_isa_checks:  # perhaps the compiler lacks an instruction set the CPU has: let inductor check
+            log.info("compiling with inductor's instruction-set checks after: %s", _first_line(e))
+            torch._dynamo.reset()
+            try:
+                _compile_and_warm_up(model, cpp_wrapper, False, warm_up)
+                return True
+            except (torch._dynamo.exc.TorchDynamoException, RuntimeError, OSError) as again:
+                e = again
         model.compiled_forward = None
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         if mode is CompileMode.ON:
-            raise CompileError(f"--compile on, but the model cannot be compiled here: {reason}") from e
-        log.warning("torch.compile is unavailable here (%s); serving eagerly", reason)
+            raise CompileError(f"--compile on, but the model cannot be compiled here: {_first_line(e)}") from e
+        log.warning("torch.compile is unavailable here (%s); serving eagerly", _first_line(e))
         return False
     return True
+
+
+def _compile_and_warm_up(model: CausalLM, cpp_wrapper: bool, skip_isa_checks: bool,
+                         warm_up: Callable[[int], None]) -> None:
+    import torch._inductor.config
+
+    model.compiled_forward = _compile(_own_copy(decoder_logits) if _variant else decoder_logits)
+    # vec_isa_ok: inductor takes the CPU's vector instruction sets (read from /proc/cpuinfo) as buildable
+    # instead of compiling and loading a test program for each (None: it checks, the default)
+    isa_ok = True if skip_isa_checks else torch._inductor.config.cpp.vec_isa_ok
+    with torch._inductor.config.patch({"cpp_wrapper": cpp_wrapper, "cpp.vec_isa_ok": isa_ok}):
+        for tokens in WARM_UP_TOKENS:
+            warm_up(tokens)
+
+
+def _toolchain_builds_native() -> bool:
+    """Whether this machine's C compiler built kvpush's own kernels with -march=native (layers/cpu_kernels.py):
+    then it knows every vector instruction set of this CPU, and inductor's own check of each, a test
+    program compiled and loaded per set on the first compile, is redundant. That check was ~7 s of a first
+    start (`TMPDIR=<fresh> XDG_CACHE_HOME=<fresh>` engine start-ups, bench model, one core, 2026-12-08:
+    compile 25.6 and 23.4 s with it, 18.5 and 16.3 s without). Not where the user set
+    TORCHINDUCTOR_VEC_ISA_OK: inductor's config then says what they asked."""
+    import torch._inductor.config
+
+    from kvpush.layers.cpu_kernels import paged_decode_kernel
+
+    if torch._inductor.config.cpp.vec_isa_ok is not None:
+        return False
+    return paged_decode_kernel() is not None
+
+
+def _first_line(e: BaseException) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
