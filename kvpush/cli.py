@@ -213,7 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", help="checkpoint directory (Hugging Face format)")
     p.add_argument("-o", "--out", required=True, help="the profile to write (JSON, docs/emulation.md's format)")
     p.add_argument("--name", default=None, help="the profile's name (default: the output file's name, less .json)")
-    p.add_argument("--repeats", type=positive_int, default=3, help="timed steps per grid point, median (default: 3)")
+    p.add_argument("--repeats", type=positive_int, default=5,
+                   help="timed passes over the grid, each point's median (default: 5)")
     p.add_argument("--quick", action="store_true",
                    help="a small grid of short prompts, for tests (default: prefills to 2,048 tokens, decode batches "
                         "to 32)")

@@ -3,7 +3,7 @@
 Times what an emulated instance replaces, the model runner's step (its inputs, the forward pass and
 sampling), on a grid: prefills of a few lengths with and without earlier context, decode batches of a
 few sizes and context lengths, and a few mixed steps (a prefill beside decodes, as under load). Each
-point is the median of `repeats` steps after an untimed one.
+point is the median of `repeats` passes over the whole grid after an untimed one.
 The KV in the cache is whatever was there (the timing does not depend on it). Then it fits the
 profile's clock (profile.py, `combine: sum`) to the points by non-negative least squares on their
 relative errors:
@@ -102,11 +102,14 @@ def fit(points: Sequence[Point]) -> StepClock:
 
 def time_steps(runner, block_size: int, num_blocks: int, vocab: int, steps: Sequence[Step],
                repeats: int) -> list[Point]:
-    """Each step run `repeats` + 1 times on `runner` (engine/model_runner.py), the first untimed."""
+    """Each step timed `repeats` times on `runner` (engine/model_runner.py), the median: in passes over the
+    whole grid after an untimed one, so that a slow moment of the machine (it drifts by a fifth within
+    minutes) touches every point a little rather than one point wholly (a 512-token prefill once measured
+    122.5 ms where a 512-token prefill beside 4 decodes measured 100.4, its repeats back to back)."""
     from kvpush.engine.request import Request
     from kvpush.engine.sampling_params import SamplingParams
 
-    points = []
+    batches = []
     for k, step in enumerate(steps):
         scheduled, first_block = [], 0
         for i, (n, c) in enumerate(step):
@@ -117,13 +120,15 @@ def time_steps(runner, block_size: int, num_blocks: int, vocab: int, steps: Sequ
             first_block += used
             request.num_computed_tokens = c - n
             scheduled.append((request, n))
-        times = []
-        for _ in range(repeats + 1):
+        batches.append(scheduled)
+    times: list[list[float]] = [[] for _ in steps]
+    for timed in [False] + [True] * repeats:
+        for scheduled, seen in zip(batches, times, strict=True):
             t = time.perf_counter()
             runner.execute(scheduled)
-            times.append(time.perf_counter() - t)
-        points.append(Point(step, statistics.median(times[1:])))
-    return points
+            if timed:
+                seen.append(time.perf_counter() - t)
+    return [Point(step, statistics.median(seen)) for step, seen in zip(steps, times, strict=True)]
 
 
 def describe(step: Step) -> str:
@@ -140,7 +145,7 @@ def make_profile(name: str, engine, points: Sequence[Point], link: Link, command
     arch, layout = engine.arch, engine.layout
     dtype = str(layout.dtype).removeprefix("torch.")
     when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
-    measured = f"measured by `{command}` on {machine}, {when}: the grid in derivation.grid and its fit"
+    measured = f"measured by `{command}` on {machine}, {when}: the grid in clock.grid and its fit"
     geometry = f"{engine.config.model.model}'s config.json ({dtype} as loaded)"
     sources = {**{f"kv.{k}": geometry for k in ("num_layers", "num_kv_heads", "head_dim", "dtype")},
                **{f"clock.{k}": measured for k in (*FEATURES, "per_step_s", "grid")},

@@ -17,11 +17,11 @@
    from L2 for each further group of query heads). Other head sizes and 256-bit CPUs take attend_plain: per token a dot
    product and horizontal sum per head, per token an update of every head's output row in memory.
    A decode step is bound by memory here, not arithmetic, once the rows come from beyond L2.
-   `python benchmarks/decode_kernel.py --against 3024a3e --repeats 60` (6 heads over 3 of 64, block 16,
-   rows from beyond L2; Intel fam 6 model 167, 2026-12-07): attend16 / 3024a3e's kernel (attend_plain's loops)
-   0.918 [0.893, 0.937] at
-   16 sequences x 96 tokens, 0.908 [0.882, 0.923] at 16 x 500, 0.908 [0.891, 0.919] at 64 x 200, cannot tell
-   at one sequence of 100 (0.970 [0.937, 1.009]).
+   `python benchmarks/decode_kernel.py --against 3024a3e --repeats 60` (6 heads over 3 of 64, block 16, rows
+   from beyond L2; Intel fam 6 model 167, 2026-12-08): this kernel / 3024a3e's (attend_plain's loops) 0.944
+   [0.925, 0.969] at 16 sequences x 96 tokens, 0.896 [0.880, 0.915] at 16 x 500, 0.937 [0.925, 0.954] at 64 x
+   200, cannot tell at one sequence of 100; `--heads 32,4,128` (Llama-3-8B's: four register groups of 2 query
+   heads a KV head) 0.835-0.935, better at every shape.
    Built by layers/cpu_kernels.py. */
 
 #include <math.h>
