@@ -3,7 +3,8 @@
 Times what an emulated instance replaces, the model runner's step (its inputs, the forward pass and
 sampling), on a grid: prefills of a few lengths with and without earlier context, decode batches of a
 few sizes and context lengths, and a few mixed steps (a prefill beside decodes, as under load). Each
-point is the median of `repeats` passes over the whole grid after an untimed one.
+point is the median of `repeats` passes over the whole grid, each timed run after an untimed one of the
+same step.
 The KV in the cache is whatever was there (the timing does not depend on it). Then it fits the
 profile's clock (profile.py, `combine: sum`) to the points by non-negative least squares on their
 relative errors:
@@ -103,9 +104,12 @@ def fit(points: Sequence[Point]) -> StepClock:
 def time_steps(runner, block_size: int, num_blocks: int, vocab: int, steps: Sequence[Step],
                repeats: int) -> list[Point]:
     """Each step timed `repeats` times on `runner` (engine/model_runner.py), the median: in passes over the
-    whole grid after an untimed one, so that a slow moment of the machine (it drifts by a fifth within
-    minutes) touches every point a little rather than one point wholly (a 512-token prefill once measured
-    122.5 ms where a 512-token prefill beside 4 decodes measured 100.4, its repeats back to back)."""
+    whole grid, so that a slow moment of the machine (it drifts by a fifth within minutes) touches every
+    point a little rather than one point wholly (a 512-token prefill once measured 122.5 ms where a
+    512-token prefill beside 4 decodes measured 100.4, its repeats back to back). Each timed run follows an
+    untimed run of the same step, as a serving instance's steps follow steps like them: timed right after
+    another step of the grid, a one-sequence decode read the weights from further out and measured ~25%
+    slower than a real instance's decode steps (emulate_vs_real.py, 2026-12-08)."""
     from kvpush.engine.request import Request
     from kvpush.engine.sampling_params import SamplingParams
 
@@ -122,12 +126,12 @@ def time_steps(runner, block_size: int, num_blocks: int, vocab: int, steps: Sequ
             scheduled.append((request, n))
         batches.append(scheduled)
     times: list[list[float]] = [[] for _ in steps]
-    for timed in [False] + [True] * repeats:
+    for _ in range(repeats):
         for scheduled, seen in zip(batches, times, strict=True):
+            runner.execute(scheduled)  # untimed: the step's weights and rows where its repeat finds them
             t = time.perf_counter()
             runner.execute(scheduled)
-            if timed:
-                seen.append(time.perf_counter() - t)
+            seen.append(time.perf_counter() - t)
     return [Point(step, statistics.median(seen)) for step, seen in zip(steps, times, strict=True)]
 
 
