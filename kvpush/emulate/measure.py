@@ -3,8 +3,8 @@
 Times what an emulated instance replaces, the model runner's step (its inputs, the forward pass and
 sampling), on a grid: prefills of a few lengths with and without earlier context, decode batches of a
 few sizes and context lengths, and a few mixed steps (a prefill beside decodes, as under load). Each
-point is the median of `repeats` passes over the whole grid, each timed run after an untimed one of the
-same step.
+point is the median of `repeats` passes over the whole grid, each timed run after WARM_RUNS untimed
+ones of the same step.
 The KV in the cache is whatever was there (the timing does not depend on it). Then it fits the
 profile's clock (profile.py, `combine: sum`) to the points by non-negative least squares on their
 relative errors:
@@ -42,6 +42,7 @@ MIXED = ((512, 4, 512), (512, 16, 256), (256, 8, 128))  # (fresh prefill tokens,
 QUICK_PREFILLS = ((16, 0), (64, 0), (128, 0), (64, 64))
 QUICK_DECODES = ((1, 32), (1, 128), (4, 64), (8, 128))
 QUICK_MIXED = ((64, 4, 64),)
+WARM_RUNS = 3  # untimed runs of a step before each timed one (time_steps)
 FEATURES = ("step_overhead_s", "prefill_overhead_s", "per_token_s", "per_pair_s", "per_context_token_s")
 
 
@@ -106,10 +107,11 @@ def time_steps(runner, block_size: int, num_blocks: int, vocab: int, steps: Sequ
     """Each step timed `repeats` times on `runner` (engine/model_runner.py), the median: in passes over the
     whole grid, so that a slow moment of the machine (it drifts by a fifth within minutes) touches every
     point a little rather than one point wholly (a 512-token prefill once measured 122.5 ms where a
-    512-token prefill beside 4 decodes measured 100.4, its repeats back to back). Each timed run follows an
-    untimed run of the same step, as a serving instance's steps follow steps like them: timed right after
-    another step of the grid, a one-sequence decode read the weights from further out and measured ~25%
-    slower than a real instance's decode steps (emulate_vs_real.py, 2026-12-08)."""
+    512-token prefill beside 4 decodes measured 100.4, its repeats back to back). Each timed run follows
+    WARM_RUNS untimed runs of the same step, as a serving instance's steps follow steps like them: a
+    one-sequence decode after a different grid step is slow to settle (2026-12-08, bench model, one core;
+    decode 1 x 64 / 1 x 256 / 1 x 1,024 in ms: 6.17 / 5.09 / 5.47 after one untimed run, 5.29 / 4.51 / 5.38
+    after three, ~4.1 at 550 tokens decoding one request in an engine's own loop)."""
     from kvpush.engine.request import Request
     from kvpush.engine.sampling_params import SamplingParams
 
@@ -128,7 +130,8 @@ def time_steps(runner, block_size: int, num_blocks: int, vocab: int, steps: Sequ
     times: list[list[float]] = [[] for _ in steps]
     for _ in range(repeats):
         for scheduled, seen in zip(batches, times, strict=True):
-            runner.execute(scheduled)  # untimed: the step's weights and rows where its repeat finds them
+            for _ in range(WARM_RUNS):  # untimed: the step's weights and rows where its repeats find them
+                runner.execute(scheduled)
             t = time.perf_counter()
             runner.execute(scheduled)
             seen.append(time.perf_counter() - t)
