@@ -1,5 +1,5 @@
-/* Vector types and helpers the CPU kernels share (paged_decode.c, prefill_attention.c): W floats a vector, 512-bit
-   where the CPU has AVX-512, else 256-bit, and unaligned loads and stores. Built by layers/cpu_kernels.py. */
+/* Vector types and helpers the CPU kernels share (paged_decode.c, prefill_attention.c), exp over score rows
+   included: W floats a vector, 512-bit where the CPU has AVX-512, else 256-bit, and unaligned loads and stores. Built by layers/cpu_kernels.py. */
 #ifndef KVPUSH_CPU_VEC_H
 #define KVPUSH_CPU_VEC_H
 
@@ -13,6 +13,7 @@ typedef int vi __attribute__((vector_size(64)));
 typedef float vf __attribute__((vector_size(32)));
 typedef float vfu __attribute__((vector_size(32), aligned(4), may_alias));
 typedef int vi __attribute__((vector_size(32)));
+
 #endif
 
 static inline vf loadv(const float *p) { return *(const vfu *)p; }
@@ -41,6 +42,32 @@ static inline vf vexp(vf x) {
     p = p * r + 1.0f;
     const vi bits = (__builtin_convertvector(fi, vi) + 127) << 23;
     return p * (vf)bits;
+}
+
+/* p[0 .. n) = exp(p - max) over its first `seen` entries, 0 past them (n: a multiple of W), where max is the
+   larger of *running and those entries' max, written back to *running; returns their sum */
+static float exp_row(float *restrict p, int64_t seen, int64_t n, float *running) {
+    vf mv = splat(*running);
+    int64_t j = 0;
+    for (; j + W <= seen; j += W) {
+        const vf x = loadv(p + j);
+        mv = sel(x > mv, x, mv);
+    }
+    float mx = mv[0];
+    for (int i = 1; i < W; i++) mx = mv[i] > mx ? mv[i] : mx;
+    for (; j < seen; j++) mx = p[j] > mx ? p[j] : mx;
+    *running = mx;
+    vf idx, acc = {0};
+    for (int i = 0; i < W; i++) idx[i] = (float)i;
+    for (j = 0; j < n; j += W) {
+        vf e = vexp(loadv(p + j) - mx);
+        e = sel(idx + (float)j < (float)seen, e, splat(0.0f));
+        storev(p + j, e);
+        acc += e;
+    }
+    float sum = 0.0f;
+    for (int i = 0; i < W; i++) sum += acc[i];
+    return sum;
 }
 
 #endif

@@ -227,33 +227,17 @@ static inline __attribute__((always_inline)) void values16(const float *p, int64
         }
 }
 
-/* p[0 .. len) = exp(p - their max), zeros from len to the tile's end; returns 1 / their sum */
-static float exp_tiles(float *p, int64_t len) {
-    vf idx, mv = splat(-3.0e38f);
-    for (int i = 0; i < W; i++) idx[i] = (float)i;
-    for (int64_t j = 0; j < len; j += TILE) {
-        const vf x = loadv(p + j);
-        mv = sel((x > mv) & (idx + (float)j < (float)len), x, mv);
-    }
-    float mx = mv[0];
-    for (int i = 1; i < W; i++) mx = mv[i] > mx ? mv[i] : mx;
-    vf acc = {0};
-    for (int64_t j = 0; j < len; j += TILE) {
-        const vf e = sel(idx + (float)j < (float)len, vexp(loadv(p + j) - mx), splat(0.0f));
-        storev(p + j, e);
-        acc += e;
-    }
-    return 1.0f / hsum(acc);
-}
-
-/* One sequence, head size DW vectors (1 to 8): scores16, exp_tiles per head, values16 (which divides by the
+/* One sequence, head size DW vectors (1 to 8): scores16, exp_row per head, values16 (which divides by the
    sums). */
 static inline __attribute__((always_inline)) void attend16(const float *qb, const float **krows, int64_t len,
                                                            int64_t H, int64_t KVH, const int DW, int64_t v_off,
                                                            float scale, vf *S, float *p, int64_t ps, float *ob) {
     float inv[H];
     scores16(qb, krows, len, H, KVH, DW, scale, S, p, ps);
-    for (int64_t h = 0; h < H; h++) inv[h] = exp_tiles(p + h * ps, len);
+    for (int64_t h = 0; h < H; h++) {  /* exp over whole tiles (cpu_vec.h's exp_row), zeros past len */
+        float max = -3.0e38f;
+        inv[h] = 1.0f / exp_row(p + h * ps, len, (len + TILE - 1) / TILE * TILE, &max);
+    }
     values16(p, ps, krows, len, H, KVH, DW, v_off, inv, ob);
 }
 

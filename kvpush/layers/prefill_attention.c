@@ -83,32 +83,6 @@ static inline __attribute__((always_inline)) void weighted(const float *restrict
     }
 }
 
-/* p[0 .. n) = exp(p - max) over its first `seen` entries, 0 past them (n: a multiple of W), where max is the
-   larger of *running and those entries' max, written back to *running; returns their sum */
-static float exp_row(float *restrict p, int64_t seen, int64_t n, float *running) {
-    vf mv = splat(*running);
-    int64_t j = 0;
-    for (; j + W <= seen; j += W) {
-        const vf x = loadv(p + j);
-        mv = sel(x > mv, x, mv);
-    }
-    float mx = mv[0];
-    for (int i = 1; i < W; i++) mx = mv[i] > mx ? mv[i] : mx;
-    for (; j < seen; j++) mx = p[j] > mx ? p[j] : mx;
-    *running = mx;
-    vf idx, acc = {0};
-    for (int i = 0; i < W; i++) idx[i] = (float)i;
-    for (j = 0; j < n; j += W) {
-        vf e = vexp(loadv(p + j) - mx);
-        e = sel(idx + (float)j < (float)seen, e, splat(0.0f));
-        storev(p + j, e);
-        acc += e;
-    }
-    float sum = 0.0f;
-    for (int i = 0; i < W; i++) sum += acc[i];
-    return sum;
-}
-
 /* One block of M query vectors against keys [0, n) of the current chunk (n = the most any of them sees):
    seen[m] keys for query m. Updates each query's running max mx[m], sum l[m] and output row o[m] (D floats,
    weighted by exp(score - mx[m])) with the chunk's keys. */
