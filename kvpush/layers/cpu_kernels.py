@@ -37,7 +37,7 @@ SOURCE = Path(__file__).with_name("paged_decode.c")
 PREFILL_SOURCE = Path(__file__).with_name("prefill_attention.c")  # causal attention of prefill chunks
 DIGEST_SOURCE = Path(__file__).with_name("kv_digest.c")  # the emulated runner's KV read-back (KVDigest)
 SOURCES = (SOURCE, PREFILL_SOURCE, DIGEST_SOURCE)  # one library
-HEADER = Path(__file__).with_name("cpu_vec.h")  # the vector types paged_decode.c and prefill_attention.c share
+HEADER = Path(__file__).with_name("cpu_vec.h")  # the vector types and helpers paged_decode.c and prefill_attention.c share
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-fPIC"]  # compile step
 # Linked in a second step without -ffast-math: linking with it adds crtfastmath.o, whose constructor
 # turns on flush-to-zero for the whole process when the library loads (found by a hypothesis test
